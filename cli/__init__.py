@@ -1,0 +1,1 @@
+"""The nsa-flex command line: a thin shell over the library (installed as nsa_flex_cli)."""

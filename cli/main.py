@@ -1,0 +1,22 @@
+"""`nsa-flex`: turns flags into configs and calls the library. Nothing else lives here."""
+
+from __future__ import annotations
+
+import typer
+
+from nsa_flex_cli.demo import demo
+from nsa_flex_cli.info import info
+
+app = typer.Typer(
+    name="nsa-flex",
+    help="Native Sparse Attention for PyTorch: benchmarks, training and decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+app.command()(info)
+app.command()(demo)
+
+
+if __name__ == "__main__":
+    app()

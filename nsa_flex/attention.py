@@ -1,0 +1,144 @@
+"""The NSA op every implementation shares, its dispatch, and the NSAAttention module."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from nsa_flex.compression import Compressor, compressed_seqlens
+from nsa_flex.config import NSAConfig
+from nsa_flex.validate import check_inputs
+
+IMPLS = ("reference", "flex")
+
+
+def nsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    config: NSAConfig,
+    impl: str = "reference",
+    block_indices: torch.Tensor | None = None,
+    return_indices: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    k_win: torch.Tensor | None = None,
+    v_win: torch.Tensor | None = None,
+):
+    """Native Sparse Attention: gated sum of the compressed, selected and window branches.
+
+    q [B,T,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], k_cmp [B,Tc,Hkv,Dk], v_cmp [B,Tc,Hkv,Dv]
+    with Tc = max(0, (T - l) // d + 1), gates [B,T,Hq,3] (after the sigmoid; cmp, sel, win).
+    Returns o [B,T,Hq,Dv], and with return_indices=True also the selection used,
+    [B,Hkv,T,n] int (ascending block ids, -1 = unused slot).
+
+    block_indices overrides the selection. cu_seqlens [n_docs+1] packs documents into one
+    sequence (B == 1): no attention crosses a document boundary, k_cmp / v_cmp hold each
+    document's compressed tokens in order, and block ids are document-local. k_win / v_win
+    are the window branch's own keys and values when the branches have separate projections.
+    impl chooses the implementation: "reference" (plain PyTorch, any device, gradients
+    everywhere) or "flex" (FlexAttention + the Triton selection op).
+    """
+    if not torch.compiler.is_compiling():
+        # Value checks read tensors on the host; under torch.compile only shapes are checked.
+        check_inputs(q, k, v, k_cmp, v_cmp, gates, config, block_indices, cu_seqlens, k_win, v_win)
+    match impl:
+        case "reference":
+            from nsa_flex import reference
+
+            if cu_seqlens is None:
+                o, sel = reference.nsa_reference(q, k, v, k_cmp, v_cmp, gates, config, block_indices, k_win, v_win)
+            else:
+                o, sel = reference.nsa_reference_varlen(
+                    q, k, v, k_cmp, v_cmp, gates, config, cu_seqlens,
+                    compressed_seqlens(cu_seqlens, config), block_indices, k_win, v_win,
+                )
+        case "flex":
+            from nsa_flex import flex
+
+            o, sel = flex.nsa_flex(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
+                                   cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+        case _:
+            raise ValueError(f"unknown impl {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
+    return (o, sel) if return_indices else o
+
+
+class Gate(nn.Module):
+    """Sigmoid gates, one per branch per query head, from the layer input.
+
+    The last layer starts Xavier-uniform with gain 0.1 and zero bias, so gates start near
+    0.5 and still vary across tokens.
+    """
+
+    def __init__(self, dim: int, n_heads: int, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or max(16, dim // 4)
+        self.n_heads = n_heads
+        self.hidden = nn.Linear(dim, hidden)
+        self.out = nn.Linear(hidden, n_heads * 3)
+        nn.init.xavier_uniform_(self.out.weight, gain=0.1)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x_btc: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_btc.shape
+        return torch.sigmoid(self.out(nn.functional.silu(self.hidden(x_btc)))).view(B, T, self.n_heads, 3)
+
+
+class NSAAttention(nn.Module):
+    """An NSA attention layer: projections, compression phi, gates, output projection.
+
+    x [B, T, dim] -> [B, T, dim]. `impl` picks the implementation of the op (see nsa_attention).
+    `rotary`, if given, is a callable (q, k) -> (q, k) applied to the selected/window keys and
+    all queries; the compressed keys come from the un-rotated keys, since phi's intra-block
+    position encoding already tells it where inside a block each token sits.
+    """
+
+    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "reference", bias: bool = False):
+        super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"unknown impl {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
+        if dim <= 0:
+            raise ValueError(f"dim={dim}: must be a positive integer")
+        self.config, self.dim, self.impl = config, dim, impl
+        Hq, Hkv, Dk, Dv = config.n_heads, config.n_kv_heads, config.head_dim, config.dv
+        self.wq = nn.Linear(dim, Hq * Dk, bias=bias)
+        # One K/V projection for all branches, or one per branch (paper section 3.3.3).
+        n_kv = 3 if config.separate_kv else 1
+        self.wk = nn.ModuleList(nn.Linear(dim, Hkv * Dk, bias=bias) for _ in range(n_kv))
+        self.wv = nn.ModuleList(nn.Linear(dim, Hkv * Dv, bias=bias) for _ in range(n_kv))
+        self.compress_k = Compressor(config, Dk)
+        self.compress_v = Compressor(config, Dv)
+        self.gate = Gate(dim, Hq)
+        self.wo = nn.Linear(Hq * Dv, dim, bias=bias)
+        nn.init.normal_(self.wo.weight, std=0.02 / math.sqrt(2))
+
+    def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
+                return_indices: bool = False):
+        cfg = self.config
+        B, T, _ = x_btc.shape
+        q = self.wq(x_btc).view(B, T, cfg.n_heads, cfg.head_dim)
+        ks = [w(x_btc).view(B, T, cfg.n_kv_heads, cfg.head_dim) for w in self.wk]
+        vs = [w(x_btc).view(B, T, cfg.n_kv_heads, cfg.dv) for w in self.wv]
+        # Branch order of the projections: cmp, sel, win (all the same one when shared).
+        k_c, k_s, k_w = (ks * 3)[:3] if len(ks) == 1 else ks
+        v_c, v_s, v_w = (vs * 3)[:3] if len(vs) == 1 else vs
+        k_cmp = self.compress_k(k_c, cu_seqlens)
+        v_cmp = self.compress_v(v_c, cu_seqlens)
+        separate = len(ks) > 1
+        if rotary is not None:
+            q_rot, k_s = rotary(q, k_s)
+            k_w = rotary(q, k_w)[1] if separate else k_s
+            q = q_rot
+        out = nsa_attention(
+            q, k_s, v_s, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=self.impl,
+            return_indices=return_indices, cu_seqlens=cu_seqlens,
+            k_win=k_w if separate else None, v_win=v_w if separate else None,
+        )
+        o, sel = out if return_indices else (out, None)
+        y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
+        return (y, sel) if return_indices else y

@@ -1,0 +1,61 @@
+"""Block geometry shared by every implementation: pure functions of the config, no kernels.
+
+Compression block i covers tokens [i*d, i*d + l); selection block j covers [j*l', (j+1)*l').
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nsa_flex.config import NSAConfig
+
+
+def num_cmp_blocks(T: int, config: NSAConfig) -> int:
+    """Tc: complete compression blocks in a sequence of T tokens."""
+    return max(0, (T - config.cmp_block) // config.cmp_stride + 1)
+
+
+def num_sel_blocks(T: int, config: NSAConfig) -> int:
+    """Ns: selection blocks covering T tokens (the last one may be partial)."""
+    return math.ceil(T / config.sel_block)
+
+
+def cmp_block_last_token(Tc: int, config: NSAConfig, device=None) -> torch.Tensor:
+    """[Tc] index of each compression block's last token: a query at t sees block i iff this <= t."""
+    return torch.arange(Tc, device=device) * config.cmp_stride + config.cmp_block - 1
+
+
+def cmp_to_sel_weights(Tc: int, Ns: int, config: NSAConfig, *, dtype=torch.float32, device=None) -> torch.Tensor:
+    """[Tc, Ns] weight of compression block i in selection block j: overlapping tokens / d.
+
+    The paper's Eq. 9 reads ambiguously; this is the geometric reading. For l=32, d=16,
+    l'=64 selection block j gets compression blocks 4j-1 .. 4j+3 with weights 1, 2, 2, 2, 1.
+    """
+    cmp_start = torch.arange(Tc, device=device) * config.cmp_stride
+    sel_start = torch.arange(Ns, device=device) * config.sel_block
+    lo = torch.maximum(cmp_start[:, None], sel_start[None, :])
+    hi = torch.minimum(cmp_start[:, None] + config.cmp_block, sel_start[None, :] + config.sel_block)
+    return (hi - lo).clamp(min=0).to(dtype) / config.cmp_stride
+
+
+def forced_and_valid(T: int, Ns: int, config: NSAConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, Ns] forced, [T, Ns] valid) selection blocks of each query position.
+
+    valid: the block starts at or before the query (j <= t // l').
+    forced: the first n_initial blocks and the n_local blocks ending with the query's own.
+    """
+    own = torch.arange(T, device=device) // config.sel_block
+    j = torch.arange(Ns, device=device)
+    valid = j[None, :] <= own[:, None]
+    local = j[None, :] > own[:, None] - config.n_local
+    forced = valid & ((j[None, :] < config.n_initial) | local)
+    return forced, valid
+
+
+def sort_block_indices(idx: torch.Tensor) -> torch.Tensor:
+    """Ascending block ids along the last dim, the -1 (unused) slots last."""
+    big = torch.iinfo(idx.dtype).max
+    s = torch.sort(idx.masked_fill(idx < 0, big), dim=-1).values
+    return s.masked_fill(s == big, -1)

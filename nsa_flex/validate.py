@@ -1,0 +1,102 @@
+"""Input checks for nsa_attention: every error says what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_flex.blocks import num_cmp_blocks, num_sel_blocks
+from nsa_flex.config import NSAConfig
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_inputs(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, block_indices=None,
+                 cu_seqlens=None, k_win=None, v_win=None) -> None:
+    named = {"q": q, "k": k, "v": v, "k_cmp": k_cmp, "v_cmp": v_cmp, "gates": gates}
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims, got shape {tuple(x.shape)}; expected {_LAYOUT[name]}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; allowed: {_names(FLOAT_DTYPES)}")
+    for name, x in named.items():
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; all inputs must share one dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share one device")
+
+    B, T, Hq, Dk = q.shape
+    Hkv, Dv = config.n_kv_heads, config.dv
+    Tc = _expected_tc(T, config, cu_seqlens)
+    expected = {
+        "q": (B, T, config.n_heads, config.head_dim),
+        "k": (B, T, Hkv, config.head_dim),
+        "v": (B, T, Hkv, Dv),
+        "k_cmp": (B, Tc, Hkv, config.head_dim),
+        "v_cmp": (B, Tc, Hkv, Dv),
+        "gates": (B, T, config.n_heads, 3),
+    }
+    if T < 1:
+        raise ValueError(f"q has T={T} tokens; T must be >= 1")
+    for name, x in named.items():
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, expected {expected[name]} = {_LAYOUT[name]} "
+                f"for config (n_heads={config.n_heads}, n_kv_heads={Hkv}, head_dim={config.head_dim}, "
+                f"head_dim_v={Dv}) and q of shape {tuple(q.shape)}"
+            )
+    for name, x, ref in (("k_win", k_win, k), ("v_win", v_win, v)):
+        if x is not None and (x.shape != ref.shape or x.dtype != ref.dtype):
+            raise ValueError(f"{name} must match {name[0]} in shape and dtype {tuple(ref.shape)}, got {tuple(x.shape)}")
+    if block_indices is not None:
+        _check_indices(block_indices, B, Hkv, T, config)
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T)
+
+
+def _check_indices(idx, B, Hkv, T, config) -> None:
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"block_indices must be a torch.Tensor, got {type(idx).__name__}")
+    if idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"block_indices has dtype {idx.dtype}; allowed: {_names(INDEX_DTYPES)}")
+    want = (B, Hkv, T, config.n_selected)
+    if tuple(idx.shape) != want:
+        raise ValueError(f"block_indices has shape {tuple(idx.shape)}, expected {want} = [B, Hkv, T, n_selected]")
+    Ns = num_sel_blocks(T, config)
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= Ns):
+        raise ValueError(
+            f"block_indices values must lie in [-1, {Ns - 1}] (-1 = unused slot, {Ns} selection blocks "
+            f"of {config.sel_block} tokens for T={T}); got min {int(idx.min())}, max {int(idx.max())}"
+        )
+
+
+def _check_cu_seqlens(cu, B, T) -> None:
+    if cu.dtype not in INDEX_DTYPES or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
+    if B != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need batch size 1, got B={B}")
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu.tolist()}")
+
+
+def _expected_tc(T, config, cu_seqlens) -> int:
+    if cu_seqlens is None:
+        return num_cmp_blocks(T, config)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return sum(num_cmp_blocks(int(n), config) for n in lengths)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+_LAYOUT = {
+    "q": "[B, T, Hq, Dk]",
+    "k": "[B, T, Hkv, Dk]",
+    "v": "[B, T, Hkv, Dv]",
+    "k_cmp": "[B, Tc, Hkv, Dk] with Tc = max(0, (T - l) // d + 1)",
+    "v_cmp": "[B, Tc, Hkv, Dv] with Tc = max(0, (T - l) // d + 1)",
+    "gates": "[B, T, Hq, 3] (cmp, sel, win after the sigmoid)",
+}
