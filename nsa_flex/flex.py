@@ -1,0 +1,133 @@
+"""NSA through FlexAttention: nsa_attention(..., impl="flex").
+
+compressed Flex call (with lse) -> selection op -> selected Flex call (folded GQA layout)
+-> window Flex call -> gated sum. Every step is traceable, so the whole op compiles with
+`torch.compile(nsa_flex, fullgraph=True)` and the gated sum fuses with the layout changes.
+
+On CUDA the flex calls go through `flex_attention` compiled once at module level (inside an
+outer compile Dynamo inlines it). On CPU flex runs eagerly (dense, for correctness, no
+backward: FlexAttention has none on CPU) and the compressed branch's lse, which compiled
+CPU flex cannot return, comes from a small dense torch computation.
+
+Process-global: the first eager CUDA call installs `nsa_flex.tuning.install_flex_tuning()`;
+call it yourself before compiling code that uses nsa_flex.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+from nsa_flex import tuning
+from nsa_flex.config import NSAConfig
+from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
+from nsa_flex.tuning import FlexTiles
+
+_compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+
+def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
+             k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
+    """NSA with FlexAttention. Shapes as nsa_attention: q [B,T,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv],
+    k_cmp/v_cmp [B,Tc,Hkv,*], gates [B,T,Hq,3] (cmp, sel, win).
+
+    Returns (o [B,T,Hq,Dv], block_indices [B,Hkv,T,n]): the selection used, from the
+    selection op unless given. tiles: BlockMask block sizes (tuning knobs, see FlexTiles).
+    """
+    if cu_seqlens is not None:
+        from nsa_flex.varlen import nsa_flex_varlen
+
+        return nsa_flex_varlen(q, k, v, k_cmp, v_cmp, gates, config, cu_seqlens,
+                               block_indices=block_indices, k_win=k_win, v_win=v_win, tiles=tiles)
+    _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    scale = q.shape[-1] ** -0.5
+    o_cmp, lse_cmp = compressed_branch(q, k_cmp, v_cmp, config, scale, tiles)
+    if block_indices is None:
+        from nsa_flex.ops import select_blocks
+
+        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale)
+    o_sel = selected_branch(q, k, v, block_indices, config, scale, tiles)
+    o_win = window_branch(q, k if k_win is None else k_win, v if v_win is None else v_win, config, scale, tiles)
+    # Sum in at least fp32 (fp64 stays fp64); torch.compile fuses it with the layout changes.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    g = gates.to(acc)
+    o = g[..., 0:1] * o_cmp.to(acc) + g[..., 1:2] * o_sel.to(acc) + g[..., 2:3] * o_win.to(acc)
+    return o.to(q.dtype), block_indices
+
+
+def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles):
+    """(o [B,T,Hq,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete)."""
+    B, T, Hq, _ = q.shape
+    Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
+    if Tc == 0:
+        # No complete compression block anywhere (T < l): the branch is exactly 0.
+        return q.new_zeros(B, T, Hq, Dv), q.new_full((B, Hq, T), float("-inf"), dtype=torch.float32)
+    q_bhtd, k_bhtd, v_bhtd = q.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)
+    mask = compressed_block_mask(T, Tc, config, q.device, tiles.cmp_block)
+    if q.is_cuda:
+        opts = tuning.branch_kernel_options("cmp", q.shape[-1], q.dtype)
+        o, aux = _compiled_flex(q_bhtd, k_bhtd, v_bhtd, block_mask=mask, scale=scale, enable_gqa=True,
+                                return_aux=AuxRequest(lse=True), kernel_options=opts)
+        lse = aux.lse
+    else:
+        o = flex_attention(q_bhtd, k_bhtd, v_bhtd, block_mask=mask, scale=scale, enable_gqa=True)
+        lse = _dense_cmp_lse(q_bhtd, k_bhtd, config, scale)
+    return o.transpose(1, 2), lse.float()
+
+
+def selected_branch(q, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles):
+    """o [B,T,Hq,Dv] of the selected blocks, computed in the folded layout [B, Hkv, T*G, D]."""
+    B, T, Hq, Dk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[-1]
+    G = Hq // Hkv
+    # Row t*G + g of kv head h is query head h*G + g at token t.
+    q_fold = q.view(B, T, Hkv, G, Dk).transpose(1, 2).reshape(B, Hkv, T * G, Dk)
+    mask = selection_block_mask(block_indices, T, G, config, tiles.sel_q_block)
+    if q.is_cuda:
+        opts = tuning.branch_kernel_options("sel", Dk, q.dtype, q_block=tiles.sel_q_block,
+                                            kv_block=config.sel_block)
+        o = _compiled_flex(q_fold, k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale,
+                           kernel_options=opts)
+    else:
+        o = flex_attention(q_fold, k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale)
+    return o.view(B, Hkv, T, G, Dv).transpose(1, 2).reshape(B, T, Hq, Dv)
+
+
+def window_branch(q, k, v, config: NSAConfig, scale: float, tiles: FlexTiles):
+    """o [B,T,Hq,Dv] of the sliding window (w tokens, the query included)."""
+    T = q.shape[1]
+    mask = window_block_mask(T, config.window, q.device, tiles.win_block)
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if q.is_cuda:
+        opts = tuning.branch_kernel_options("win", q.shape[-1], q.dtype)
+        o = _compiled_flex(*args, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=opts)
+    else:
+        o = flex_attention(*args, block_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+def _dense_cmp_lse(q_bhtd, k_bhtd, config: NSAConfig, scale: float) -> torch.Tensor:
+    """CPU only: lse [B,Hq,T] of the compressed branch from the dense [T, Tc] scores."""
+    G = q_bhtd.shape[1] // k_bhtd.shape[1]
+    dtype = torch.promote_types(q_bhtd.dtype, torch.float32)
+    scores = (q_bhtd.to(dtype) @ k_bhtd.to(dtype).repeat_interleave(G, 1).transpose(-1, -2)) * scale
+    t = torch.arange(q_bhtd.shape[2], device=q_bhtd.device)
+    i = torch.arange(k_bhtd.shape[2], device=q_bhtd.device)
+    visible = i[None, :] * config.cmp_stride + config.cmp_block - 1 <= t[:, None]
+    return scores.masked_fill(~visible, float("-inf")).logsumexp(-1)
+
+
+def _check_device(*tensors) -> None:
+    x = tensors[0]
+    if x.is_cuda:
+        if not torch.compiler.is_compiling():
+            tuning.install_flex_tuning()
+        elif not tuning.is_installed():
+            raise RuntimeError("nsa_flex on CUDA under torch.compile: call nsa_flex.tuning.install_flex_tuning() "
+                               "once before compiling (the selected branch's backward needs it)")
+        return
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "impl='flex' has no backward on CPU (FlexAttention has none there); call it under "
+            "torch.no_grad(), or use impl='reference' for CPU gradients"
+        )

@@ -1,0 +1,20 @@
+"""FlexAttention masks of the three NSA branches: one small module per pattern.
+
+Each module gives a mask_mod that encodes the exact allowed set (eager flex applies only
+the mask_mod, densely) and a BlockMask factory that lists the visited blocks in both
+directions without materialising a [Q_LEN, KV_LEN] tensor.
+"""
+
+from nsa_flex.masks.compressed import compressed_block_mask, compressed_mask_mod
+from nsa_flex.masks.selection import selection_bits, selection_block_mask, selection_mask_mod
+from nsa_flex.masks.window import window_block_mask, window_mask_mod
+
+__all__ = [
+    "compressed_block_mask",
+    "compressed_mask_mod",
+    "selection_bits",
+    "selection_block_mask",
+    "selection_mask_mod",
+    "window_block_mask",
+    "window_mask_mod",
+]

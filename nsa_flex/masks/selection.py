@@ -1,0 +1,97 @@
+"""Selected-blocks mask in the folded GQA layout, built from the top-n block indices.
+
+Folded layout: the G query heads of kv head h become rows of one sequence,
+q [B, T, Hq, D] -> [B, Hkv, T*G, D], row rho = t*G + g. A 16-row query tile then holds the
+G heads of 16/G tokens (one token at G=16), which share one list of kv blocks: the paper's
+group-centric kernel expressed as a BlockMask. The mask's head dim is Hkv, the number of
+heads of the folded query, so the GPU (h % H_mask) and CPU (h // G) head mappings agree.
+
+The mask_mod is exact on its own (a bit set of the selected blocks per token, plus
+causality), so eager, CPU and GPU flex agree; the block lists only skip work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from nsa_flex.blocks import num_sel_blocks
+from nsa_flex.config import NSAConfig
+from nsa_flex.ops.blockmask import make_block_mask, transpose_blocks, union_blocks
+
+WORD = 32
+
+
+def selection_bits(block_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[B, Hkv, T, n] block ids (-1 = unused, distinct per row) -> [B, Hkv, T, ceil(Ns/32)] int32 bit sets."""
+    words = -(-n_blocks // WORD)
+    idx = block_indices.to(torch.int64)
+    ok = idx >= 0
+    word = torch.where(ok, idx // WORD, words)
+    bit = torch.where(ok, torch.bitwise_left_shift(torch.ones_like(idx), idx % WORD), 0)
+    bits = torch.zeros(*idx.shape[:-1], words + 1, dtype=torch.int64, device=idx.device)
+    # Distinct ids set distinct bits, so the sum is their bitwise or.
+    bits = bits.scatter_add_(-1, word, bit)[..., :words]
+    # Reinterpret the 32-bit patterns as int32 (two's complement).
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
+def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int):
+    """mask_mod over folded rows: row rho (token rho // G) sees key s iff s <= t and block(s) is selected."""
+
+    def sel_mask(b, h, q_idx, kv_idx):
+        t = q_idx // G
+        blk = kv_idx // sel_block
+        word = bits[b, h, t, blk // WORD]
+        return (kv_idx <= t) & (((word >> (blk % WORD)) & 1) != 0)
+
+    return sel_mask
+
+
+def tokens_per_tile(G: int, q_block: int) -> int:
+    """Most tokens one tile of q_block folded rows can touch (a tile starts at a multiple of q_block)."""
+    starts = range(0, G, math.gcd(q_block, G))
+    return max((a + q_block - 1) // G + 1 for a in starts)
+
+
+def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NSAConfig,
+                         q_block: int = 16) -> BlockMask:
+    """BlockMask [B, Hkv, T*G, T] of the selected branch, folded layout, from [B, Hkv, T, n] indices.
+
+    Query tiles of q_block rows, kv blocks of l' tokens. A kv block is "full" for a tile when
+    every token of the tile selected it and it ends before the tile's first token; the
+    rest of the union is "partial" (mask_mod applied). Both directions are emitted from the
+    indices with O(T*n) sort/scatter work.
+    """
+    B, Hkv, _, n = block_indices.shape
+    L = config.sel_block
+    device = block_indices.device
+    n_blocks = num_sel_blocks(T, config)
+    rows = T * G
+    n_tiles = -(-rows // q_block)
+    R = min(tokens_per_tile(G, q_block), T)
+
+    r0 = torch.arange(n_tiles, device=device, dtype=torch.int64) * q_block
+    t_lo = r0 // G
+    t_hi = (torch.clamp(r0 + q_block, max=rows) - 1) // G
+    j = torch.arange(R, device=device, dtype=torch.int64)
+    member = j[None, :] <= (t_hi - t_lo)[:, None]  # [n_tiles, R]
+    tok = torch.clamp(t_lo[:, None] + j[None, :], max=T - 1)
+    cand = block_indices[:, :, tok, :].to(torch.int64)  # [B, Hkv, n_tiles, R, n]
+    # A block starting after its token holds no key that token sees: leave it out.
+    useful = member[..., None] & (cand >= 0) & (cand * L <= tok[..., None])
+    cand = torch.where(useful, cand, -1).flatten(-2)
+    full_ok = (cand + 1) * L - 1 <= t_lo[:, None]
+    n_members = (t_hi - t_lo + 1).expand(B, Hkv, n_tiles)
+    width = min(R * n, n_blocks)
+    partial_kv, full_kv = union_blocks(cand, n_members, full_ok, width)
+
+    # Full-block columns: block 0 is full for nearly every tile. Partial-block columns: at one
+    # token per tile only the own block is partial, visited by the tiles of its l' tokens.
+    partial_width = n_tiles if R > 1 else min(n_tiles, -(-L * G // q_block) + 1)
+    partial_q = transpose_blocks(*partial_kv, n_blocks, partial_width)
+    full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
+    mask_mod = selection_mask_mod(selection_bits(block_indices, n_blocks), G, L)
+    return make_block_mask((rows, T), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)

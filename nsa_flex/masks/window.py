@@ -1,0 +1,26 @@
+"""Sliding-window causal mask: query t sees keys t - w < s <= t (w tokens, the query included)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from nsa_flex.ops.blockmask import interval_block_mask
+
+
+def window_mask_mod(window: int):
+    """mask_mod over (query token, key token); the same for every batch and head."""
+
+    def win_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return win_mask
+
+
+def window_block_mask(T: int, window: int, device, block_size=(128, 128)) -> BlockMask:
+    """BlockMask [1, 1, T, T] of the window branch."""
+
+    def lo(t):
+        return torch.clamp(t - window + 1, min=0)
+
+    return interval_block_mask(T, T, lo, lambda t: t, block_size, window_mask_mod(window), device)

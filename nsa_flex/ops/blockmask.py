@@ -1,0 +1,141 @@
+"""BlockMask index tensors, both directions, emitted from block lists: no dense transpose.
+
+FlexAttention's forward walks, for every query tile, a list of kv blocks (kv_num_blocks /
+kv_indices, split into "partial" blocks that need mask_mod and "full" blocks that don't).
+Its backward walks, for every kv block, a list of query tiles (q_num_blocks / q_indices).
+`BlockMask.from_kv_blocks` derives the second from the first through a dense
+[Q_blocks, KV_blocks] grid and an argsort (85 ms and ~16 GiB at T=64k with 16-row query
+tiles). `transpose_blocks` here does it with one sort of the B*H*Q_blocks*W listed entries
+and a scatter: O(T*n) work for the selected branch.
+
+What the Triton kernels need (torch/_inductor/kernel/flex/templates, 2.11-2.13): each list
+is read through its tensor's strides, only its first `num_blocks` entries are read, and
+nothing ties the width (last dim) to the number of blocks on the other side. So the kv-side
+lists may be as narrow as the most blocks one query tile visits (n for the selected branch
+at one token per tile), and the q-side lists as narrow as the most query tiles one kv block
+is visited by; the latter is static and, because block 0 is visited by every tile, equals
+the number of query tiles for the selected branch's full blocks (1 GiB of int32 at
+T=64k, G=16, Hkv=4). Only `BlockMask.to_dense` / `from_kv_blocks` read the width as the
+number of kv blocks; nsa-flex calls neither on these masks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+
+def make_block_mask(seq_lengths, kv, full_kv, q, full_q, block_size, mask_mod) -> BlockMask:
+    """The BlockMask constructor with all 11 arguments, in the order both torch 2.11 and 2.13 take.
+
+    kv, full_kv, q, full_q are (num_blocks, indices) pairs; the full ones may be (None, None).
+    """
+    return BlockMask(seq_lengths, kv[0], kv[1], full_kv[0], full_kv[1], q[0], q[1], full_q[0], full_q[1],
+                     block_size, mask_mod)
+
+
+def grid_to_ordered(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., R, C] bool block grid -> (num [..., R] int32, indices [..., R, C] int32, listed blocks first).
+
+    For small grids only (the compressed and window masks: T/128 x T/128 at most).
+    """
+    num = grid.sum(-1, dtype=torch.int32)
+    # A stable sort on "not listed" puts the listed column ids first, in ascending order.
+    idx = torch.sort((~grid).to(torch.int8), dim=-1, stable=True).indices
+    return num, idx.to(torch.int32)
+
+
+def transpose_blocks(num_bhr: torch.Tensor, idx_bhrw: torch.Tensor, n_cols: int, width: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row lists -> column lists: (num [B,H,R], idx [B,H,R,W]) -> (num [B,H,C], idx [B,H,C,width]).
+
+    Entry j of row r is listed iff j < num[r]; listed column ids must be distinct per row.
+    The column lists come out with ascending row ids. `width` must bound the entries any
+    column gets (it is the static width of the result; entries past it are dropped, and the
+    count is clamped to it); entries beyond a column's count are 0.
+    Work: one sort and two scatters over the B*H*R*W entries.
+    """
+    B, H, R, W = idx_bhrw.shape
+    device = idx_bhrw.device
+    n_seg = B * H * n_cols
+    listed = torch.arange(W, device=device) < num_bhr[..., None].to(torch.int64)
+    bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
+    seg = bh * n_cols + idx_bhrw.to(torch.int64)
+    # Unlisted entries go to a spare segment n_seg, dropped at the end.
+    seg = torch.where(listed, seg, n_seg)
+    rows = torch.arange(R, device=device).view(1, 1, R, 1)
+    key = (seg * R + rows).flatten()
+    key_sorted = torch.sort(key).values
+    seg_sorted, row_sorted = key_sorted // R, key_sorted % R
+    counts = torch.zeros(n_seg + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, seg.flatten(), torch.ones_like(key))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(key.numel(), device=device) - starts[seg_sorted]
+    # The spare segment's entries (and any beyond `width`) land in one spare slot past the end.
+    dest = torch.where((seg_sorted < n_seg) & (rank < width), seg_sorted * width + rank, n_seg * width)
+    out = torch.zeros(n_seg * width + 1, dtype=torch.int32, device=device)
+    out.scatter_(0, dest, row_sorted.to(torch.int32))
+    num_out = torch.clamp(counts[:n_seg], max=width).to(torch.int32).view(B, H, n_cols)
+    return num_out, out[:-1].view(B, H, n_cols, width)
+
+
+def union_blocks(cand_bhrm: torch.Tensor, n_members_bhr: torch.Tensor, full_ok_bhrm: torch.Tensor,
+                 width: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Per query tile, the union of its tokens' selected blocks, split into partial and full lists.
+
+    cand [B,H,R,M]: block ids of the tile's member tokens concatenated (-1 = none); each
+    member lists a block at most once. n_members [B,H,R]: members of the tile. full_ok
+    [B,H,R,M]: the block lies entirely before the tile's first token (causally full).
+    A block is full for the tile iff every member lists it and it is causally full; else
+    partial. Returns ((num, idx [B,H,R,width]) partial, (num, idx) full), ascending ids.
+    """
+    big = torch.iinfo(torch.int32).max
+    x = torch.where(cand_bhrm < 0, big, cand_bhrm.to(torch.int32))
+    x, order = torch.sort(x, dim=-1)
+    full_ok = torch.gather(full_ok_bhrm, -1, order)
+    M = x.shape[-1]
+    first = torch.ones_like(x, dtype=torch.bool)
+    first[..., 1:] = x[..., 1:] != x[..., :-1]
+    first &= x != big
+    # A block listed by all k members occupies sorted slots i .. i+k-1 from its first one i.
+    k = n_members_bhr.to(torch.int64)[..., None]
+    last = torch.clamp(torch.arange(M, device=x.device) + k - 1, max=M - 1)
+    everyone = torch.gather(x, -1, last) == x
+    full = first & everyone & full_ok
+    partial = first & ~full
+    return _compact(x, partial, width, big), _compact(x, full, width, big)
+
+
+def _compact(x: torch.Tensor, keep: torch.Tensor, width: int, big: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept entries of each row first (ascending), as (num [...], idx [..., width]) with 0 padding."""
+    kept = torch.sort(torch.where(keep, x, big), dim=-1).values
+    if kept.shape[-1] < width:
+        kept = torch.nn.functional.pad(kept, (0, width - kept.shape[-1]), value=big)
+    kept = kept[..., :width]
+    num = keep.sum(-1, dtype=torch.int32)
+    return num, torch.where(kept == big, 0, kept).contiguous()
+
+
+def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, int], mask_mod,
+                        device) -> BlockMask:
+    """BlockMask of a mask where query t sees the keys lo(t) <= s <= hi(t), both non-decreasing in t.
+
+    lo and hi map an int64 tensor of query positions to key positions (hi < lo: no key).
+    Built on the [Q_blocks, KV_blocks] block grid, which is small for the patterns that use
+    it (compressed keys; the window with 128-token blocks), with both directions listed.
+    """
+    qbs, kbs = block_size
+    n_q, n_kv = -(-q_len // qbs), max(1, -(-kv_len // kbs))
+    t0 = torch.arange(n_q, device=device, dtype=torch.int64) * qbs
+    t1 = torch.clamp(t0 + qbs - 1, max=q_len - 1)
+    c = torch.arange(n_kv, device=device, dtype=torch.int64)
+    c_lo, c_hi = c * kbs, torch.clamp(c * kbs + kbs, max=kv_len) - 1
+    # Monotone bounds: the tile's union runs from lo(t0) to hi(t1), its intersection from lo(t1) to hi(t0).
+    touched = (c_hi[None, :] >= lo(t0)[:, None]) & (c_lo[None, :] <= hi(t1)[:, None]) & (hi(t1) >= lo(t0))[:, None]
+    full = (c_lo[None, :] >= lo(t1)[:, None]) & (c_hi[None, :] <= hi(t0)[:, None]) & (c_hi >= c_lo)[None, :]
+    partial = touched & ~full
+    kv = grid_to_ordered(partial[None, None])
+    full_kv = grid_to_ordered(full[None, None])
+    q = grid_to_ordered(partial.T[None, None])
+    full_q = grid_to_ordered(full.T[None, None])
+    return make_block_mask((q_len, kv_len), kv, full_kv, q, full_q, block_size, mask_mod)

@@ -1,0 +1,126 @@
+"""FlexAttention kernel tiles for the three NSA branches, and the one process-global workaround.
+
+The workaround (DESIGN.md section 3.3). Inductor lowers the flex backward by walking the
+configs that `InductorChoices.get_flex_attention_bwd_configs` returns and drops every config
+whose tiles do not divide the BlockMask's block sizes *before* it applies the user's
+`kernel_options`. On sm90 the default backward tiles are 64-128 wide, so the selected
+branch's 16-row query tiles leave no config and compilation fails with
+`NoValidChoicesError`. `NSAFlexChoices` appends one 16x16 config that divides every legal
+block size; the tiles that actually run then come from `kernel_options` (below, keyed on
+head dim and dtype), which override the config's.
+
+`install_flex_tuning()` installs it, process-global: as `torch._inductor.config.
+inductor_choices_class` (read by every thread, the autograd thread that compiles a lazy
+backward included) and as the calling thread's choices handler. `nsa_flex` calls it on
+its first eager CUDA call; code that compiles `nsa_flex` (or a model using it) must call
+it once before compiling. Effect on other FlexAttention users in the process: one more
+candidate backward config; where both fit their masks, Inductor autotunes between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INSTALLED = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlexTiles:
+    """BlockMask block sizes of the three branches (speed knobs; results do not depend on them)."""
+
+    cmp_block: tuple[int, int] = (128, 128)
+    """(query tokens, compressed tokens) per block of the compressed branch."""
+    win_block: tuple[int, int] = (128, 128)
+    """(query tokens, key tokens) per block of the window branch."""
+    sel_q_block: int = 16
+    """Folded query rows per tile of the selected branch (G=16: one token); kv blocks are l'."""
+
+    def __post_init__(self) -> None:
+        for name in ("cmp_block", "win_block"):
+            value = getattr(self, name)
+            if len(value) != 2 or any(b < 16 or b & (b - 1) for b in value):
+                raise ValueError(f"FlexTiles.{name}={value!r}: must be two powers of two >= 16")
+        if self.sel_q_block < 16 or self.sel_q_block & (self.sel_q_block - 1):
+            raise ValueError(f"FlexTiles.sel_q_block={self.sel_q_block!r}: must be a power of two >= 16")
+
+
+def _fallback_bwd_config():
+    try:
+        from torch._inductor.template_heuristics.triton import FlexBwDConfig
+    except ImportError:  # torch 2.11 keeps it one level up
+        from torch._inductor.template_heuristics import FlexBwDConfig
+    # 16-wide tiles divide every block size FlexAttention accepts.
+    return FlexBwDConfig(16, 16, 16, 16, 1, 4)
+
+
+def _choices_class():
+    from torch._inductor.choices import InductorChoices
+
+    class NSAFlexChoices(InductorChoices):
+        """Inductor's choices plus one backward flex config that fits 16-row query blocks."""
+
+        def get_flex_attention_bwd_configs(self, *args, **kwargs):
+            configs = list(super().get_flex_attention_bwd_configs(*args, **kwargs))
+            fallback = _fallback_bwd_config()
+            return configs if fallback in configs else configs + [fallback]
+
+        def uuid(self) -> str:
+            # Part of Inductor's cache key (torch >= 2.13): change it when the configs change.
+            return "nsa_flex.tuning.NSAFlexChoices.v1"
+
+    return NSAFlexChoices
+
+
+def install_flex_tuning() -> None:
+    """Install NSAFlexChoices for the whole process (idempotent). See the module docstring."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from torch._inductor import config as inductor_config
+    from torch._inductor.virtualized import V
+
+    cls = _choices_class()
+    current = getattr(inductor_config, "inductor_choices_class", None)
+    if current is not None:
+        raise RuntimeError(
+            f"torch._inductor.config.inductor_choices_class is already set to {current!r}; nsa_flex needs "
+            "its own (nsa_flex.tuning.NSAFlexChoices) for the selected branch's backward. Merge the two "
+            "classes (subclass yours from NSAFlexChoices' logic) and install that instead."
+        )
+    if hasattr(inductor_config, "inductor_choices_class"):
+        inductor_config.inductor_choices_class = cls
+    V.set_choices_handler(cls())
+    _INSTALLED = True
+
+
+def is_installed() -> bool:
+    return _INSTALLED
+
+
+def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_block: int = 128,
+                          kv_block: int = 128) -> dict:
+    """kernel_options for one branch's flex call on CUDA: tiles keyed on the qk head dim and dtype.
+
+    branch: "cmp" / "win" (128x128 BlockMask blocks) or "sel" (folded, q_block-row query
+    tiles, l'-token kv blocks). Every tile divides the corresponding BlockMask block size.
+    """
+    # One code path for every length: the decode kernel would take queries shorter than 128.
+    opts: dict = {"FORCE_USE_FLEX_ATTENTION": True}
+    wide = head_dim > 128
+    f32 = dtype == torch.float32
+    if branch in ("cmp", "win"):
+        return opts
+    if branch != "sel":
+        raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel'")
+    block_n = min(kv_block, 32 if (wide or f32) else 64)
+    stages = 2 if (wide or f32) else 3
+    opts.update(
+        fwd_BLOCK_M=min(q_block, 64), fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,
+        # Backward: dK/dV loop (M1 query rows per step over N1 keys), dQ loop (M2 rows, N2 keys);
+        # Triton needs N1 % M1 == 0 and M2 % N2 == 0.
+        bwd_BLOCK_M1=16, bwd_BLOCK_N1=block_n, bwd_BLOCK_M2=16, bwd_BLOCK_N2=16,
+        bwd_num_warps=4, bwd_num_stages=stages,
+    )
+    return opts

@@ -1,0 +1,263 @@
+"""impl="flex" on CPU: forward against the reference, the masks, and the BlockMask index emission.
+
+CPU FlexAttention runs eagerly and applies only mask_mod (densely), so these tests pin the
+mask_mods and the forward math; the block lists (what the GPU kernels walk) are checked
+against create_block_mask / from_kv_blocks and the reference's dense masks. Gradients and
+the compiled kernels are GPU tests (tests/test_flex_gpu.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+
+from nsa_flex import NSAConfig, nsa_attention
+from nsa_flex.blocks import num_cmp_blocks
+from nsa_flex.flex import nsa_flex
+from nsa_flex.masks import (
+    compressed_block_mask,
+    compressed_mask_mod,
+    selection_bits,
+    selection_block_mask,
+    selection_mask_mod,
+    window_block_mask,
+    window_mask_mod,
+)
+from nsa_flex.masks.selection import tokens_per_tile
+from nsa_flex.ops.blockmask import transpose_blocks
+from nsa_flex.reference import _selection_mask, nsa_reference
+from nsa_flex.tuning import FlexTiles
+from naive import random_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def small_config(G: int, Dk: int, Dv: int, Hkv: int = 1, **changes) -> NSAConfig:
+    settings = dict(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv, window=128, n_selected=4)
+    return NSAConfig(**{**settings, **changes})
+
+
+def oracle_tolerance(x: dict, cfg: NSAConfig, block_indices, o_oracle) -> float:
+    """2x the reference's own error at this dtype against the fp64 oracle, plus a rounding floor."""
+    o_ref, _ = nsa_reference(**x, config=cfg, block_indices=block_indices)
+    ref_err = (o_ref.double() - o_oracle).abs().max().item()
+    return 2 * ref_err + 100 * torch.finfo(x["q"].dtype).eps
+
+
+# (T, G, Hkv, Dk, Dv, B, dtype): awkward lengths, every group size, d_v != d_k. CPU flex is
+# dense and slow, so fp32 (where the tolerance is derived from the reference's own fp32
+# error) runs on two shapes only.
+FP64, FP32 = torch.float64, torch.float32
+SHAPES = [
+    pytest.param(1, 4, 1, 64, 32, 2, FP64, id="T1-G4-B2-fp64"),
+    pytest.param(63, 16, 1, 64, 32, 1, FP64, id="T63-G16-fp64"),
+    pytest.param(111, 2, 2, 32, 48, 2, FP64, id="T111-G2-Hkv2-B2-fp64"),
+    pytest.param(200, 1, 3, 32, 16, 1, FP64, id="T200-G1-Hkv3-fp64"),
+    pytest.param(1000, 4, 1, 16, 8, 1, FP64, id="T1000-G4-fp64"),
+    pytest.param(63, 16, 1, 64, 32, 1, FP32, id="T63-G16-fp32"),
+    pytest.param(200, 4, 2, 64, 32, 2, FP32, id="T200-G4-Hkv2-B2-fp32"),
+]
+
+
+@pytest.mark.parametrize("T,G,Hkv,Dk,Dv,B,dtype", SHAPES)
+def test_forward_matches_reference(T, G, Hkv, Dk, Dv, B, dtype):
+    cfg = small_config(G, Dk, Dv, Hkv)
+    x64 = random_inputs(cfg, T, B=B, seed=T + G)
+    o_oracle, sel = nsa_reference(**x64, config=cfg)
+    x = {name: t.to(dtype) for name, t in x64.items()}
+    with torch.no_grad():
+        o, used = nsa_flex(**x, config=cfg, block_indices=sel)
+    assert o.dtype == dtype and o.shape == o_oracle.shape
+    assert torch.equal(used, sel)
+    err = (o.double() - o_oracle).abs().max().item()
+    assert err <= oracle_tolerance(x, cfg, sel, o_oracle), err
+
+
+@pytest.mark.parametrize("T,G", [(1, 2), (300, 4), (300, 16)], ids=["T1-G2", "T300-G4", "T300-G16"])
+def test_forward_with_selection_op(T, G):
+    """No block_indices: the selection op picks the same blocks as the reference (fp64, no ties)."""
+    cfg = small_config(G, 32, 16, 2)
+    x = random_inputs(cfg, T, B=2, seed=7, window_kv=True)
+    o_ref, sel_ref = nsa_reference(**x, config=cfg)
+    with torch.no_grad():
+        o, sel = nsa_attention(**x, config=cfg, impl="flex", return_indices=True)
+    assert torch.equal(sel.long(), sel_ref.long())
+    assert (o - o_ref).abs().max().item() <= 100 * torch.finfo(torch.float64).eps
+
+
+def test_compressed_branch_before_first_block_is_zero():
+    """T < l: no compressed token at all; queries before the first complete block: 0, never NaN."""
+    cfg = small_config(4, 16, 8)
+    for T in (20, 40):
+        x = random_inputs(cfg, T, seed=1)
+        x["gates"] = torch.zeros_like(x["gates"])
+        x["gates"][..., 0] = 1
+        with torch.no_grad():
+            o, _ = nsa_flex(**x, config=cfg)
+        assert not o.isnan().any()
+        first_visible = cfg.cmp_block - 1
+        assert torch.equal(o[:, :first_visible], torch.zeros_like(o[:, :first_visible]))
+
+
+def test_cpu_backward_is_refused_with_a_clear_error():
+    cfg = small_config(2, 16, 8)
+    x = random_inputs(cfg, 40)
+    x["q"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no backward on CPU.*impl='reference'"):
+        nsa_flex(**x, config=cfg)
+
+
+def test_flex_tiles_validate():
+    with pytest.raises(ValueError, match="sel_q_block=24: must be a power of two >= 16"):
+        FlexTiles(sel_q_block=24)
+    with pytest.raises(ValueError, match="cmp_block"):
+        FlexTiles(cmp_block=(128, 8))
+
+
+# ---------------------------------------------------------------- masks
+
+
+def block_grid(dense_bhqk: torch.Tensor, block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, all) allowed element per block of a dense [B, H, Q, K] mask, over in-range elements."""
+    qbs, kbs = block_size
+    B, H, Q, K = dense_bhqk.shape
+    nq, nk = -(-Q // qbs), -(-K // kbs)
+    pad = (0, nk * kbs - K, 0, nq * qbs - Q)
+    allowed = torch.nn.functional.pad(dense_bhqk, pad, value=False).view(B, H, nq, qbs, nk, kbs)
+    inside = torch.nn.functional.pad(torch.ones_like(dense_bhqk), pad, value=False).view(B, H, nq, qbs, nk, kbs)
+    any_ = allowed.any(-1).any(-2)
+    all_ = (allowed | ~inside).all(-1).all(-2)
+    return any_, all_
+
+
+def listed(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """(num [..., R], idx [..., R, W]) -> [..., R, n_cols] bool of the listed entries."""
+    grid = torch.zeros(*idx.shape[:-1], n_cols + 1, dtype=torch.bool)
+    valid = torch.arange(idx.shape[-1]) < num[..., None]
+    return grid.scatter_(-1, torch.where(valid, idx.long(), n_cols), True)[..., :n_cols]
+
+
+def check_block_mask(bm: BlockMask, dense_bhqk: torch.Tensor) -> None:
+    """The lists of bm match the dense mask: partial | full = blocks with any allowed element,
+    full blocks are entirely allowed, and the q-side lists are the transposes of the kv-side ones."""
+    any_, all_ = block_grid(dense_bhqk, bm.BLOCK_SIZE)
+    nq, nk = any_.shape[-2:]
+    partial = listed(bm.kv_num_blocks, bm.kv_indices, nk)
+    full = listed(bm.full_kv_num_blocks, bm.full_kv_indices, nk)
+    assert not (partial & full).any()
+    assert torch.equal((partial | full).expand_as(any_), any_)
+    assert not (full.expand_as(all_) & ~all_).any()
+    assert torch.equal(listed(bm.q_num_blocks, bm.q_indices, nq), partial.transpose(-1, -2))
+    assert torch.equal(listed(bm.full_q_num_blocks, bm.full_q_indices, nq), full.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("T", [1, 40, 63, 200, 777])
+def test_compressed_block_mask(T):
+    cfg = small_config(1, 16, 16)
+    Tc = num_cmp_blocks(T, cfg)
+    if Tc == 0:
+        pytest.skip("no compressed tokens")
+    t, i = torch.arange(T)[:, None], torch.arange(Tc)[None, :]
+    dense = (i * cfg.cmp_stride + cfg.cmp_block - 1 <= t)[None, None]
+    for block_size in ((128, 128), (64, 16)):
+        bm = compressed_block_mask(T, Tc, cfg, "cpu", block_size)
+        check_block_mask(bm, dense)
+        assert torch.equal(create_mask(bm.mask_mod, None, None, T, Tc, "cpu"), dense)
+        reference_bm = create_block_mask(compressed_mask_mod(cfg), None, None, T, Tc, "cpu", BLOCK_SIZE=block_size)
+        n_kv = -(-Tc // block_size[1])
+        assert torch.equal(listed(bm.kv_num_blocks, bm.kv_indices, n_kv) | listed(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv),
+                           reference_bm.to_dense().bool())
+
+
+@pytest.mark.parametrize("T,window", [(1, 4), (300, 128), (1000, 512), (513, 100)])
+def test_window_block_mask(T, window):
+    t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    dense = ((s <= t) & (t - s < window))[None, None]
+    bm = window_block_mask(T, window, "cpu", (128, 128))
+    check_block_mask(bm, dense)
+    assert torch.equal(create_mask(window_mask_mod(window), None, None, T, T, "cpu"), dense)
+    reference_bm = create_block_mask(window_mask_mod(window), None, None, T, T, "cpu", BLOCK_SIZE=128)
+    n_kv = -(-T // 128)
+    union = listed(bm.kv_num_blocks, bm.kv_indices, n_kv) | listed(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
+    assert torch.equal(union, reference_bm.to_dense().bool())
+
+
+def random_selection(B, Hkv, T, cfg, seed=0) -> torch.Tensor:
+    """Reference-style indices: forced blocks plus random valid ones, ascending, -1 last."""
+    from nsa_flex.reference import select_blocks
+
+    gen = torch.Generator().manual_seed(seed)
+    Tc = num_cmp_blocks(T, cfg)
+    p = torch.rand(B, Hkv, T, Tc, generator=gen, dtype=torch.float64)
+    return select_blocks(p, T, 1, cfg)
+
+
+@pytest.mark.parametrize("T,G,q_block,sel_block", [
+    pytest.param(1, 16, 16, 64, id="T1-G16"),
+    pytest.param(100, 16, 16, 64, id="T100-G16"),
+    pytest.param(300, 4, 16, 64, id="T300-G4"),
+    pytest.param(300, 1, 16, 64, id="T300-G1"),
+    pytest.param(257, 3, 16, 64, id="T257-G3"),
+    pytest.param(200, 32, 16, 64, id="T200-G32"),
+    pytest.param(300, 16, 64, 64, id="T300-G16-tile64"),
+    pytest.param(130, 6, 32, 64, id="T130-G6-tile32"),
+    pytest.param(777, 2, 16, 16, id="T777-G2-sel16-two-words"),
+])
+def test_selection_block_mask(T, G, q_block, sel_block):
+    cfg = small_config(G, 16, 16, 2, n_selected=5, sel_block=sel_block)
+    B, Hkv = 2, 2
+    idx = random_selection(B, Hkv, T, cfg)
+    dense_bhts = _selection_mask(idx, T, cfg)  # [B, Hkv, T, T]
+    dense_folded = dense_bhts.repeat_interleave(G, dim=2)  # row t*G + g
+    bm = selection_block_mask(idx.to(torch.int32), T, G, cfg, q_block)
+    assert bm.kv_indices.shape[1] == Hkv and bm.seq_lengths == (T * G, T)
+    check_block_mask(bm, dense_folded)
+    assert torch.equal(create_mask(bm.mask_mod, B, Hkv, T * G, T, "cpu"), dense_folded)
+
+
+def test_selection_bits_high_bit():
+    """Bit 31 of a word (the int32 sign bit) and ids in the second word."""
+    idx = torch.full((1, 1, 64, 4), -1)
+    idx[0, 0, 63] = torch.tensor([0, 31, 32, 63])
+    idx[0, 0, 1, 0] = 5
+    bits = selection_bits(idx, 64)
+    assert bits.dtype == torch.int32 and bits.shape == (1, 1, 64, 2)
+    assert bits[0, 0, 63].tolist() == [1 - 2**31, 1 - 2**31] and bits[0, 0, 1].tolist() == [32, 0]
+    mask_mod = selection_mask_mod(bits, 1, 1)
+    allowed = [s for s in range(64) if mask_mod(0, 0, torch.tensor(63), torch.tensor(s))]
+    assert allowed == [0, 31, 32, 63]
+
+
+@pytest.mark.parametrize("G,q_block,expected", [(16, 16, 1), (4, 16, 4), (1, 16, 16), (3, 16, 6), (32, 16, 1),
+                                                 (6, 32, 6)])
+def test_tokens_per_tile(G, q_block, expected):
+    assert tokens_per_tile(G, q_block) == expected
+
+
+@pytest.mark.parametrize("R,C,W", [(7, 5, 3), (33, 9, 9), (64, 16, 4)])
+def test_transpose_blocks_matches_from_kv_blocks(R, C, W):
+    gen = torch.Generator().manual_seed(R)
+    B, H = 2, 3
+    scores = torch.rand(B, H, R, C, generator=gen)
+    idx = scores.argsort(-1)[..., :W].sort(-1).values.to(torch.int32)
+    num = torch.randint(0, W + 1, (B, H, R), generator=gen, dtype=torch.int32)
+    full_idx = torch.cat([idx, torch.zeros(B, H, R, C - W, dtype=torch.int32)], -1)
+    expected = BlockMask.from_kv_blocks(num, full_idx, BLOCK_SIZE=16, seq_lengths=(16 * R, 16 * C))
+    q_num, q_idx = transpose_blocks(num, idx, C, R)
+    assert torch.equal(q_num, expected.q_num_blocks)
+    valid = torch.arange(R) < q_num[..., None]
+    assert torch.equal(torch.where(valid, q_idx, 0), torch.where(valid, expected.q_indices, 0))
+
+
+def test_flex_matches_reference_on_window_kv():
+    """Separate window projections (k_win / v_win) reach the window branch only."""
+    cfg = small_config(2, 16, 8, 2)
+    x = random_inputs(cfg, 150, seed=3, window_kv=True)
+    o_ref, sel = nsa_reference(**x, config=cfg)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        o, _ = nsa_flex(**x, config=cfg, block_indices=sel)
+    assert (o - o_ref).abs().max().item() <= 100 * torch.finfo(torch.float64).eps
