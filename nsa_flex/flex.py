@@ -16,11 +16,14 @@ call it yourself before compiling code that uses nsa_flex.
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_mask, flex_attention
 
 from nsa_flex import tuning
+from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
+from nsa_flex.masks.documents import Documents, documents
+from nsa_flex.ops import select_blocks
 from nsa_flex.tuning import FlexTiles
 
 _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -32,22 +35,24 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     k_cmp/v_cmp [B,Tc,Hkv,*], gates [B,T,Hq,3] (cmp, sel, win).
 
     Returns (o [B,T,Hq,Dv], block_indices [B,Hkv,T,n]): the selection used, from the
-    selection op unless given. tiles: BlockMask block sizes (tuning knobs, see FlexTiles).
+    selection op unless given. cu_seqlens [n_docs+1] (B == 1): packed documents, every
+    branch and the selection stay inside a document, block ids are document-local.
+    tiles: BlockMask block sizes (speed knobs, see FlexTiles).
     """
-    if cu_seqlens is not None:
-        from nsa_flex.varlen import nsa_flex_varlen
-
-        return nsa_flex_varlen(q, k, v, k_cmp, v_cmp, gates, config, cu_seqlens,
-                               block_indices=block_indices, k_win=k_win, v_win=v_win, tiles=tiles)
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    T, Tc = q.shape[1], k_cmp.shape[1]
     scale = q.shape[-1] ** -0.5
-    o_cmp, lse_cmp = compressed_branch(q, k_cmp, v_cmp, config, scale, tiles)
+    docs = cu_cmp = None
+    if cu_seqlens is not None:
+        cu_cmp = compressed_seqlens(cu_seqlens, config)
+        docs = documents(cu_seqlens, cu_cmp, T, Tc)
+    o_cmp, lse_cmp = compressed_branch(q, k_cmp, v_cmp, config, scale, tiles, docs)
     if block_indices is None:
-        from nsa_flex.ops import select_blocks
-
-        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale)
-    o_sel = selected_branch(q, k, v, block_indices, config, scale, tiles)
-    o_win = window_branch(q, k if k_win is None else k_win, v if v_win is None else v_win, config, scale, tiles)
+        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
+                                      cu_seqlens_cmp=cu_cmp)
+    o_sel = selected_branch(q, k, v, block_indices, config, scale, tiles, docs)
+    k_win, v_win = (k if k_win is None else k_win), (v if v_win is None else v_win)
+    o_win = window_branch(q, k_win, v_win, config, scale, tiles, docs)
     # Sum in at least fp32 (fp64 stays fp64); torch.compile fuses it with the layout changes.
     acc = torch.promote_types(q.dtype, torch.float32)
     g = gates.to(acc)
@@ -55,7 +60,8 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     return o.to(q.dtype), block_indices
 
 
-def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles):
+def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles,
+                      docs: Documents | None = None):
     """(o [B,T,Hq,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete)."""
     B, T, Hq, _ = q.shape
     Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
@@ -63,7 +69,7 @@ def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: F
         # No complete compression block anywhere (T < l): the branch is exactly 0.
         return q.new_zeros(B, T, Hq, Dv), q.new_full((B, Hq, T), float("-inf"), dtype=torch.float32)
     q_bhtd, k_bhtd, v_bhtd = q.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)
-    mask = compressed_block_mask(T, Tc, config, q.device, tiles.cmp_block)
+    mask = compressed_block_mask(T, Tc, config, q.device, tiles.cmp_block, docs)
     if q.is_cuda:
         opts = tuning.branch_kernel_options("cmp", q.shape[-1], q.dtype)
         o, aux = _compiled_flex(q_bhtd, k_bhtd, v_bhtd, block_mask=mask, scale=scale, enable_gqa=True,
@@ -71,18 +77,19 @@ def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: F
         lse = aux.lse
     else:
         o = flex_attention(q_bhtd, k_bhtd, v_bhtd, block_mask=mask, scale=scale, enable_gqa=True)
-        lse = _dense_cmp_lse(q_bhtd, k_bhtd, config, scale)
+        lse = _dense_lse(q_bhtd, k_bhtd, mask, scale)
     return o.transpose(1, 2), lse.float()
 
 
-def selected_branch(q, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles):
+def selected_branch(q, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
+                    docs: Documents | None = None):
     """o [B,T,Hq,Dv] of the selected blocks, computed in the folded layout [B, Hkv, T*G, D]."""
     B, T, Hq, Dk = q.shape
     Hkv, Dv = k.shape[2], v.shape[-1]
     G = Hq // Hkv
     # Row t*G + g of kv head h is query head h*G + g at token t.
     q_fold = q.view(B, T, Hkv, G, Dk).transpose(1, 2).reshape(B, Hkv, T * G, Dk)
-    mask = selection_block_mask(block_indices, T, G, config, tiles.sel_q_block)
+    mask = selection_block_mask(block_indices, T, G, config, tiles.sel_q_block, docs)
     if q.is_cuda:
         opts = tuning.branch_kernel_options("sel", Dk, q.dtype, q_block=tiles.sel_q_block,
                                             kv_block=config.sel_block)
@@ -93,10 +100,10 @@ def selected_branch(q, k, v, block_indices, config: NSAConfig, scale: float, til
     return o.view(B, Hkv, T, G, Dv).transpose(1, 2).reshape(B, T, Hq, Dv)
 
 
-def window_branch(q, k, v, config: NSAConfig, scale: float, tiles: FlexTiles):
+def window_branch(q, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None):
     """o [B,T,Hq,Dv] of the sliding window (w tokens, the query included)."""
     T = q.shape[1]
-    mask = window_block_mask(T, config.window, q.device, tiles.win_block)
+    mask = window_block_mask(T, config.window, q.device, tiles.win_block, docs)
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     if q.is_cuda:
         opts = tuning.branch_kernel_options("win", q.shape[-1], q.dtype)
@@ -106,14 +113,12 @@ def window_branch(q, k, v, config: NSAConfig, scale: float, tiles: FlexTiles):
     return o.transpose(1, 2)
 
 
-def _dense_cmp_lse(q_bhtd, k_bhtd, config: NSAConfig, scale: float) -> torch.Tensor:
-    """CPU only: lse [B,Hq,T] of the compressed branch from the dense [T, Tc] scores."""
+def _dense_lse(q_bhtd, k_bhtd, mask, scale: float) -> torch.Tensor:
+    """CPU only: lse [B,Hq,T] from the dense scores under the mask's mask_mod (small T only)."""
     G = q_bhtd.shape[1] // k_bhtd.shape[1]
     dtype = torch.promote_types(q_bhtd.dtype, torch.float32)
     scores = (q_bhtd.to(dtype) @ k_bhtd.to(dtype).repeat_interleave(G, 1).transpose(-1, -2)) * scale
-    t = torch.arange(q_bhtd.shape[2], device=q_bhtd.device)
-    i = torch.arange(k_bhtd.shape[2], device=q_bhtd.device)
-    visible = i[None, :] * config.cmp_stride + config.cmp_block - 1 <= t[:, None]
+    visible = create_mask(mask.mask_mod, None, None, q_bhtd.shape[2], k_bhtd.shape[2], q_bhtd.device)
     return scores.masked_fill(~visible, float("-inf")).logsumexp(-1)
 
 

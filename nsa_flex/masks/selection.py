@@ -8,6 +8,11 @@ heads of the folded query, so the GPU (h % H_mask) and CPU (h // G) head mapping
 
 The mask_mod is exact on its own (a bit set of the selected blocks per token, plus
 causality), so eager, CPU and GPU flex agree; the block lists only skip work.
+
+Packed documents: block ids are document-local, so a selected block covers
+[start + j*l', start + (j+1)*l') and may straddle two of the mask's l'-token kv blocks;
+those kv blocks are listed, all as partial (mask_mod applied everywhere: correct, a little
+slower than the full-block path of single sequences).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_flex.blocks import num_sel_blocks
 from nsa_flex.config import NSAConfig
+from nsa_flex.masks.documents import Documents
 from nsa_flex.ops.blockmask import make_block_mask, transpose_blocks, union_blocks
 
 WORD = 32
@@ -38,8 +44,11 @@ def selection_bits(block_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
 
 
-def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int):
-    """mask_mod over folded rows: row rho (token rho // G) sees key s iff s <= t and block(s) is selected."""
+def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int, docs: Documents | None = None):
+    """mask_mod over folded rows: row rho (token t = rho // G) sees key s iff s <= t and block(s) is selected.
+
+    With documents, block(s) is document-local and s must lie in t's document.
+    """
 
     def sel_mask(b, h, q_idx, kv_idx):
         t = q_idx // G
@@ -47,7 +56,18 @@ def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int):
         word = bits[b, h, t, blk // WORD]
         return (kv_idx <= t) & (((word >> (blk % WORD)) & 1) != 0)
 
-    return sel_mask
+    if docs is None:
+        return sel_mask
+
+    def sel_doc_mask(b, h, q_idx, kv_idx):
+        t = q_idx // G
+        same_doc = docs.q_doc[t] == docs.q_doc[kv_idx]
+        # Keys of earlier documents would give negative local blocks: clamp, same_doc drops them.
+        blk = torch.clamp(kv_idx - docs.q_start[t], min=0) // sel_block
+        word = bits[b, h, t, blk // WORD]
+        return same_doc & (kv_idx <= t) & (((word >> (blk % WORD)) & 1) != 0)
+
+    return sel_doc_mask
 
 
 def tokens_per_tile(G: int, q_block: int) -> int:
@@ -57,7 +77,7 @@ def tokens_per_tile(G: int, q_block: int) -> int:
 
 
 def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NSAConfig,
-                         q_block: int = 16) -> BlockMask:
+                         q_block: int = 16, docs: Documents | None = None) -> BlockMask:
     """BlockMask [B, Hkv, T*G, T] of the selected branch, folded layout, from [B, Hkv, T, n] indices.
 
     Query tiles of q_block rows, kv blocks of l' tokens. A kv block is "full" for a tile when
@@ -80,18 +100,37 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     member = j[None, :] <= (t_hi - t_lo)[:, None]  # [n_tiles, R]
     tok = torch.clamp(t_lo[:, None] + j[None, :], max=T - 1)
     cand = block_indices[:, :, tok, :].to(torch.int64)  # [B, Hkv, n_tiles, R, n]
+    if docs is None:
+        full_ok = (cand + 1) * L - 1 <= t_lo[:, None, None]
+    else:
+        cand = _global_blocks(cand, tok, docs, L)
+        full_ok = torch.zeros_like(cand, dtype=torch.bool)
     # A block starting after its token holds no key that token sees: leave it out.
     useful = member[..., None] & (cand >= 0) & (cand * L <= tok[..., None])
     cand = torch.where(useful, cand, -1).flatten(-2)
-    full_ok = (cand + 1) * L - 1 <= t_lo[:, None]
     n_members = (t_hi - t_lo + 1).expand(B, Hkv, n_tiles)
-    width = min(R * n, n_blocks)
-    partial_kv, full_kv = union_blocks(cand, n_members, full_ok, width)
+    width = min(cand.shape[-1], n_blocks)
+    partial_kv, full_kv = union_blocks(cand, n_members, full_ok.flatten(-2), width)
 
     # Full-block columns: block 0 is full for nearly every tile. Partial-block columns: at one
-    # token per tile only the own block is partial, visited by the tiles of its l' tokens.
-    partial_width = n_tiles if R > 1 else min(n_tiles, -(-L * G // q_block) + 1)
+    # token per tile (single sequences) only the own block is partial, visited by the tiles of its l' tokens.
+    one_token = R == 1 and docs is None
+    partial_width = min(n_tiles, -(-L * G // q_block) + 1) if one_token else n_tiles
     partial_q = transpose_blocks(*partial_kv, n_blocks, partial_width)
     full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
-    mask_mod = selection_mask_mod(selection_bits(block_indices, n_blocks), G, L)
+    mask_mod = selection_mask_mod(selection_bits(block_indices, n_blocks), G, L, docs)
     return make_block_mask((rows, T), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)
+
+
+def _global_blocks(local_bhtrn: torch.Tensor, tok_tr: torch.Tensor, docs: Documents, L: int) -> torch.Tensor:
+    """Document-local block ids -> the global l'-token kv blocks they cover, [..., 2n], each once per token."""
+    start = docs.q_start[tok_tr][..., None]  # [n_tiles, R, 1]
+    first = start + local_bhtrn * L
+    last = torch.minimum(first + L - 1, tok_tr[..., None])
+    ok = local_bhtrn >= 0
+    pair = torch.cat([torch.where(ok, first // L, -1), torch.where(ok & (last >= first), last // L, -1)], -1)
+    big = torch.iinfo(torch.int64).max
+    pair = torch.sort(torch.where(pair < 0, big, pair), dim=-1).values
+    dup = torch.zeros_like(pair, dtype=torch.bool)
+    dup[..., 1:] = pair[..., 1:] == pair[..., :-1]
+    return torch.where(dup | (pair == big), -1, pair)

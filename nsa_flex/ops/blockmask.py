@@ -118,21 +118,34 @@ def _compact(x: torch.Tensor, keep: torch.Tensor, width: int, big: int) -> tuple
 
 def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, int], mask_mod,
                         device) -> BlockMask:
-    """BlockMask of a mask where query t sees the keys lo(t) <= s <= hi(t), both non-decreasing in t.
+    """BlockMask of a mask where query t sees only keys in [lo(t), hi(t)] (hi < lo: none).
 
-    lo and hi map an int64 tensor of query positions to key positions (hi < lo: no key).
-    Built on the [Q_blocks, KV_blocks] block grid, which is small for the patterns that use
-    it (compressed keys; the window with 128-token blocks), with both directions listed.
+    lo and hi map the int64 tensor arange(q_len) to key positions. A kv block is listed for
+    a query tile when it meets [min lo, max hi] over the tile's rows that see any key (exact
+    when consecutive rows' intervals touch, as for causal, window and compressed masks;
+    else a superset, which mask_mod keeps exact), and full when it lies inside every row's
+    interval. Built on the [Q_blocks, KV_blocks] block grid, which is small for the
+    patterns that use it (compressed keys; the window with 128-token blocks).
     """
     qbs, kbs = block_size
     n_q, n_kv = -(-q_len // qbs), max(1, -(-kv_len // kbs))
-    t0 = torch.arange(n_q, device=device, dtype=torch.int64) * qbs
-    t1 = torch.clamp(t0 + qbs - 1, max=q_len - 1)
+    t = torch.arange(q_len, device=device, dtype=torch.int64)
+    lo_t, hi_t = lo(t), hi(t)
+    seeing = hi_t >= lo_t
+    big = torch.iinfo(torch.int64).max
+
+    def per_tile(x, fill, reduce):
+        x = torch.nn.functional.pad(x, (0, n_q * qbs - q_len), value=fill)
+        return reduce(x.view(n_q, qbs), dim=-1)
+
+    union_lo = per_tile(torch.where(seeing, lo_t, big), big, torch.amin)
+    union_hi = per_tile(torch.where(seeing, hi_t, -1), -1, torch.amax)
+    inter_lo = per_tile(lo_t, -big, torch.amax)
+    inter_hi = per_tile(hi_t, big, torch.amin)
     c = torch.arange(n_kv, device=device, dtype=torch.int64)
     c_lo, c_hi = c * kbs, torch.clamp(c * kbs + kbs, max=kv_len) - 1
-    # Monotone bounds: the tile's union runs from lo(t0) to hi(t1), its intersection from lo(t1) to hi(t0).
-    touched = (c_hi[None, :] >= lo(t0)[:, None]) & (c_lo[None, :] <= hi(t1)[:, None]) & (hi(t1) >= lo(t0))[:, None]
-    full = (c_lo[None, :] >= lo(t1)[:, None]) & (c_hi[None, :] <= hi(t0)[:, None]) & (c_hi >= c_lo)[None, :]
+    touched = (c_hi[None, :] >= union_lo[:, None]) & (c_lo[None, :] <= union_hi[:, None])
+    full = (c_lo[None, :] >= inter_lo[:, None]) & (c_hi[None, :] <= inter_hi[:, None]) & (c_hi >= c_lo)[None, :]
     partial = touched & ~full
     kv = grid_to_ordered(partial[None, None])
     full_kv = grid_to_ordered(full[None, None])

@@ -1,0 +1,140 @@
+"""impl="flex" on the GPU: output and every gradient against an fp64 oracle, and the compiler.
+
+Tolerance (STYLE #11): the error of flex (low-precision inputs) against the reference run in
+fp64 on the same inputs stays within 2x the error of the reference run on the
+low-precision inputs with its own math (fp32 accumulation), plus a rounding floor of a few
+ulps of the dtype at the oracle's scale. Both runs use the block indices flex selected,
+so a tie broken differently in low precision cannot change the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_flex import NSAConfig
+from nsa_flex.flex import nsa_flex
+from nsa_flex.reference import nsa_reference, nsa_reference_varlen
+from nsa_flex.tuning import install_flex_tuning
+from naive import random_inputs
+
+pytestmark = pytest.mark.gpu
+
+GRAD_INPUTS = ("q", "k", "v", "k_cmp", "v_cmp", "gates")
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def cuda_inputs(cfg: NSAConfig, T: int, B: int, dtype, seed: int = 0, scale_qk: float = 1.0) -> dict:
+    x = random_inputs(cfg, T, B=B, seed=seed)
+    x["q"] = x["q"] * scale_qk
+    return {name: t.to("cuda", dtype).requires_grad_(True) for name, t in x.items()}
+
+
+def run(fn, x: dict, do: torch.Tensor, **kwargs):
+    """(o, {name: grad}, block_indices) of one forward + backward with output gradient do."""
+    for t in x.values():
+        t.grad = None
+    o, sel = fn(**x, **kwargs)
+    o.backward(do.to(o.dtype))
+    return o.detach(), {name: x[name].grad.detach().clone() for name in GRAD_INPUTS}, sel
+
+
+def errors(x: dict, cfg: NSAConfig, do: torch.Tensor, o, grads, sel) -> dict:
+    """{name: (flex error, tolerance)} for the output and every gradient."""
+    x64 = {n: t.detach().double().requires_grad_(True) for n, t in x.items()}
+    o64, g64, _ = run(nsa_reference, x64, do.double(), config=cfg, block_indices=sel)
+    xlo = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    olo, glo, _ = run(nsa_reference, xlo, do, config=cfg, block_indices=sel)
+    eps = torch.finfo(o.dtype).eps
+    out = {}
+    for name, ours, ref, oracle in [("o", o, olo, o64)] + [(n, grads[n], glo[n], g64[n]) for n in GRAD_INPUTS]:
+        ours_err = (ours.double() - oracle).abs().max().item()
+        ref_err = (ref.double() - oracle).abs().max().item()
+        floor = 4 * eps * oracle.abs().max().item()
+        out[name] = (ours_err, 2 * ref_err + floor)
+    return out
+
+
+CASES = [
+    # (G, Hkv, Dk, Dv, T, B, dtype, n_selected, window)
+    pytest.param(16, 1, 128, 128, 1000, 1, BF16, 16, 512, id="G16-D128-T1000-bf16"),
+    pytest.param(4, 2, 192, 128, 333, 2, BF16, 4, 128, id="G4-Dk192-Dv128-T333-B2-bf16"),
+    pytest.param(2, 2, 64, 32, 130, 1, FP16, 3, 64, id="G2-Dk64-Dv32-T130-fp16"),
+    pytest.param(8, 1, 64, 64, 200, 1, FP32, 4, 128, id="G8-D64-T200-fp32"),
+    pytest.param(1, 2, 128, 64, 77, 1, BF16, 2, 32, id="G1-Dk128-Dv64-T77-bf16"),
+]
+
+
+@pytest.mark.parametrize("G,Hkv,Dk,Dv,T,B,dtype,n,w", CASES)
+def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w):
+    install_flex_tuning()
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv, n_selected=n, window=w)
+    x = cuda_inputs(cfg, T, B, dtype, seed=T)
+    do = torch.randn(B, T, G * Hkv, Dv, device="cuda", dtype=dtype)
+    o, grads, sel = run(nsa_flex, x, do, config=cfg)
+    assert sel.shape == (B, Hkv, T, n)
+    report = errors(x, cfg, do, o, grads, sel)
+    print(f"\n{'':8} {'flex err':>10} {'tolerance':>10}")
+    for name, (err, tol) in report.items():
+        print(f"{name:8} {err:10.3e} {tol:10.3e}")
+    bad = {name: v for name, v in report.items() if not v[0] <= v[1]}
+    assert not bad, bad
+
+
+def test_compiled_whole_op_one_frame_no_recompile():
+    """torch.compile(nsa_flex, fullgraph=True): one graph, matches eager, no recompile over 3 steps."""
+    install_flex_tuning()
+    cfg = NSAConfig(n_heads=16, n_kv_heads=1, head_dim=128, n_selected=16, window=512)
+    x = cuda_inputs(cfg, 1000, 1, BF16, seed=1)
+    do = torch.randn(1, 1000, 16, 128, device="cuda", dtype=BF16)
+    o_eager, g_eager, sel_eager = run(nsa_flex, x, do, config=cfg)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(nsa_flex, fullgraph=True, dynamic=False)
+    o, grads, sel = run(compiled, x, do, config=cfg)
+    assert torch.equal(sel, sel_eager)
+    torch.testing.assert_close(o, o_eager, atol=2e-2, rtol=2e-2)
+    for name in GRAD_INPUTS:
+        torch.testing.assert_close(grads[name], g_eager[name], atol=5e-2, rtol=5e-2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            x = cuda_inputs(cfg, 1000, 1, BF16, seed=2 + step)
+            run(compiled, x, do, config=cfg)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_document_masking_equals_separate_documents():
+    """Packed documents (cu_seqlens) give what running every document on its own gives."""
+    install_flex_tuning()
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=64, n_selected=4, window=128)
+    lengths = [300, 17, 700, 40]
+    from nsa_flex.compression import compressed_seqlens
+
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)
+    cu_cmp = compressed_seqlens(cu, cfg)
+    T, Tc = sum(lengths), int(cu_cmp[-1])
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", BF16).requires_grad_(True)
+
+    x = {"q": randn(1, T, 8, 64), "k": randn(1, T, 2, 64), "v": randn(1, T, 2, 64),
+         "k_cmp": randn(1, Tc, 2, 64), "v_cmp": randn(1, Tc, 2, 64),
+         "gates": torch.rand(1, T, 8, 3, generator=gen).to("cuda", BF16).requires_grad_(True)}
+    do = torch.randn(1, T, 8, 64, device="cuda", dtype=BF16)
+    o, grads, sel = run(nsa_flex, x, do, config=cfg, cu_seqlens=cu)
+    # Each document on its own through the same flex path.
+    starts, cstarts = cu.tolist(), cu_cmp.tolist()
+    for i, _ in enumerate(lengths):
+        s, e, cs, ce = starts[i], starts[i + 1], cstarts[i], cstarts[i + 1]
+        xi = {n: (t.detach()[:, cs:ce] if n in ("k_cmp", "v_cmp") else t.detach()[:, s:e]).clone().requires_grad_(True)
+              for n, t in x.items()}
+        oi, gi, seli = run(nsa_flex, xi, do[:, s:e], config=cfg, block_indices=sel[:, :, s:e])
+        torch.testing.assert_close(o[:, s:e], oi, atol=2e-2, rtol=2e-2)
+        for name in GRAD_INPUTS:
+            rows = slice(cs, ce) if name in ("k_cmp", "v_cmp") else slice(s, e)
+            torch.testing.assert_close(grads[name][:, rows], gi[name], atol=5e-2, rtol=5e-2)
+    # And the semantics: the varlen reference.
+    o_ref, _ = nsa_reference_varlen(*(x[n].detach().float() for n in GRAD_INPUTS), cfg, cu, cu_cmp,
+                                    block_indices=sel)
+    torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
