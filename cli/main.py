@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from nsa_flex_cli import bench
 from nsa_flex_cli.demo import demo
 from nsa_flex_cli.info import info
 
@@ -16,6 +17,7 @@ app = typer.Typer(
 )
 app.command()(info)
 app.command()(demo)
+app.add_typer(bench.app, name="bench")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""`nsa-flex bench`: time NSA against dense attention and peers; write JSON, Markdown and PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(name="bench", no_args_is_help=True)
+
+_K = 1024
+
+
+@app.callback()
+def bench() -> None:
+    """Benchmarks: each prints one Markdown table last and saves it as JSON, Markdown and PNG."""
+
+
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
+    """'8k,16k' or '8192,16384' -> (8192, 16384); k means 1024."""
+    values = []
+    for item in (s.strip().lower() for s in text.split(",")):
+        scale = _K if item.endswith("k") else 1
+        digits = item[:-1] if scale == _K else item
+        if not digits.isdigit() or int(digits) == 0:
+            raise typer.BadParameter(
+                f"{item!r} in {text!r}: expected comma-separated positive integers, k = 1024 "
+                f"(e.g. 8k,16k or 8192,16384)", param_hint=what)
+        values.append(int(digits) * scale)
+    return tuple(values)
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+@app.command()
+def attention(
+    seq_lens: Optional[str] = typer.Option(None, "--seq-lens", "-T", help=(
+        "Sequence lengths, comma-separated, k = 1024. Default: 8k,16k,32k,64k on CUDA; 256,512 on CPU.")),
+    modes: Optional[str] = typer.Option(None, help="Modes, comma-separated: fwd, fwd+bwd (default both)."),
+    impls: Optional[str] = typer.Option(None, help=(
+        "Implementations, comma-separated (see --list-impls). Default on CUDA: nsa-flex, dense-cudnn, "
+        "dense-flash, flex-dense and the peers fla, lucidrains when importable; on CPU: reference, nsa-flex, dense.")),
+    list_impls: bool = typer.Option(False, "--list-impls", help="Print the implementations and exit."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when torch sees one)."),
+    preset: Optional[str] = typer.Option(None, help=(
+        "NSAConfig preset the shapes and sparsity start from: paper, bench, g4, tiny. Default: bench on CUDA "
+        "(paper sparsity l=32 d=16 l'=64 n=16 w=512; Hq=64 Hkv=4 D=128), tiny on CPU.")),
+    batch: int = typer.Option(1, "--batch", "-B", help="Sequences per batch."),
+    heads: Optional[int] = typer.Option(None, help="Hq, query heads."),
+    kv_heads: Optional[int] = typer.Option(None, help="Hkv, key/value heads."),
+    head_dim: Optional[int] = typer.Option(None, help="Dk."),
+    head_dim_v: Optional[int] = typer.Option(None, help="Dv (default Dk)."),
+    cmp_block: Optional[int] = typer.Option(None, help="l, compression block."),
+    cmp_stride: Optional[int] = typer.Option(None, help="d, compression stride."),
+    sel_block: Optional[int] = typer.Option(None, help="l', selection block."),
+    n_selected: Optional[int] = typer.Option(None, help="n, selected blocks."),
+    window: Optional[int] = typer.Option(None, help="w, sliding window."),
+    dtype: Optional[str] = typer.Option(None, help="bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on CPU)."),
+    warmup: Optional[int] = typer.Option(None, help="Untimed calls after the first (default 3 CUDA, 1 CPU)."),
+    iters: Optional[int] = typer.Option(None, help="Timed calls, median reported (default 10 CUDA, 3 CPU)."),
+    check_seq_len: Optional[int] = typer.Option(None, help=(
+        "T of the correctness check before timing, 0 = none (default 2048 CUDA, 256 CPU).")),
+    module_dim: int = typer.Option(1024, help="Model width of the module rows (nsa-flex-module, lucidrains)."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=(
+        "Run nsa-flex as one torch.compile(fullgraph=True) graph (default on CUDA).")),
+    seed: int = typer.Option(0, help="Random seed of the inputs."),
+    out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
+    name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_attention)."),
+    git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+) -> None:
+    """Op-level timing of NSA (nsa-flex) against dense attention and peers over sequence lengths."""
+    from nsa_flex.bench import (IMPLS, attention_config, attention_notes, attention_summary, default_stem,
+                                run_suite, write_report)
+
+    if list_impls:
+        for impl in IMPLS.values():
+            typer.echo(f"{impl.name:16} {impl.description}")
+        raise typer.Exit()
+    nsa = dict(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, cmp_block=cmp_block,
+               cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected, window=window)
+    try:
+        cfg = attention_config(
+            device=device, preset=preset, nsa_overrides=nsa,
+            seq_lens=parse_ints(seq_lens, "--seq-lens") if seq_lens else None,
+            modes=parse_names(modes) if modes is not None else None,
+            impls=parse_names(impls) if impls is not None else None,
+            batch=batch, dtype=dtype, warmup=warmup, iters=iters, check_seq_len=check_seq_len,
+            module_dim=module_dim, compile=compile, seed=seed,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if cfg.device == "cpu":
+        typer.echo("No CUDA device (or --device cpu): running a tiny CPU sweep. It checks that everything runs; "
+                   "its times are no performance figure. GPU figures need CUDA.")
+    typer.echo(f"bench attention: {attention_summary(cfg)}; T={list(cfg.seq_lens)}; impls={', '.join(cfg.impls)}")
+    for why in cfg.left_out:
+        typer.echo(f"left out (optional peer): {why}")
+    rows = _run_with_progress(run_suite, cfg, progress)
+    paths, md = write_report(out_dir, name or default_stem("attention", cfg.device), suite="attention", config=cfg,
+                             rows=rows, summary=attention_summary(cfg), notes=attention_notes(cfg), commit=git_commit)
+    for kind, path in paths.items():
+        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    typer.echo("")
+    typer.echo(md)
+
+
+def _run_with_progress(run_suite, cfg, show: bool):
+    if not show:
+        return run_suite("attention", cfg)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("starting", total=None)
+        return run_suite("attention", cfg,
+                         progress=lambda done, total, what: bar.update(task, completed=done, total=total,
+                                                                       description=what))

@@ -1,0 +1,220 @@
+"""nsa-flex bench: FLOP formulas against hand counts, the CLI's flags and errors, the JSON
+schema, and a tiny CPU sweep end to end (JSON, Markdown and PNG in a temporary folder)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nsa_flex.bench import IMPLS, SCHEMA, Row, attention_config, run_suite
+from nsa_flex.bench.core import add_speedups
+from nsa_flex.bench.flops import dense_causal_flops, mode_flops, nsa_flops, nsa_keys
+from nsa_flex.bench.impls import Built, Impl, dense_fwd_flops
+from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks
+from nsa_flex.config import NSAConfig
+from nsa_flex.reference import _selection_mask, select_blocks
+from nsa_flex_cli.bench import app, parse_ints
+
+# l=4, d=2, l'=4, n=2, one initial and one local block, w=3: small enough to count by hand.
+HAND = NSAConfig(n_heads=2, n_kv_heads=1, head_dim=4, head_dim_v=4, cmp_block=4, cmp_stride=2, sel_block=4,
+                 n_selected=2, n_initial=1, n_local=1, window=3)
+
+
+def test_nsa_keys_by_hand():
+    # T=10, per query t = 0..9:
+    # cmp: blocks with i*2 + 3 <= t: 0 0 0 1 1 2 2 3 3 4 -> 16
+    # sel: t+1 while t//4 + 1 <= 2 (1..8 -> 36), then 4 + t%4 + 1 for t=8, 9 (5, 6) -> 47
+    # win: min(3, t+1): 1 2 3 3 3 3 3 3 3 3 -> 27
+    assert nsa_keys(10, HAND) == {"cmp": 16, "sel": 47, "win": 27}
+    # 2 flops per MAC, (Dk + Dv) = 8 MACs per key, Hq = 2 heads, B = 3.
+    assert nsa_flops(3, 10, HAND) == 2 * 8 * 2 * 3 * (16 + 47 + 27)
+    assert nsa_flops(1, 10, HAND, branches=("cmp", "sel")) == 2 * 8 * 2 * (16 + 47)
+
+
+def test_dense_and_mode_flops_by_hand():
+    # 2 flops/MAC * B=2 * Hq=3 * T^2/2 = 50 query-key pairs * (Dk + Dv) = 12.
+    assert dense_causal_flops(2, 3, 10, 8, 4) == 2 * 2 * 3 * 50 * 12
+    assert mode_flops(100.0, "fwd") == 100.0
+    assert mode_flops(100.0, "fwd+bwd") == 350.0
+    with pytest.raises(ValueError, match="allowed: fwd, fwd\\+bwd"):
+        mode_flops(1.0, "bwd")
+    with pytest.raises(ValueError, match="allowed: cmp, sel, win"):
+        nsa_flops(1, 10, HAND, branches=("dense",))
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(HAND, id="hand"),
+    pytest.param(NSAConfig(n_heads=4, n_kv_heads=2, head_dim=8, cmp_block=32, cmp_stride=16, sel_block=64,
+                           n_selected=3, n_local=2, window=100), id="paper-geometry-n3"),
+    pytest.param(NSAConfig(n_heads=2, n_kv_heads=2, head_dim=8, cmp_block=8, cmp_stride=8, sel_block=16,
+                           n_selected=5, n_initial=0, n_local=1, window=7), id="no-overlap-no-initial"),
+])
+@pytest.mark.parametrize("T", [1, 37, 300])
+def test_nsa_keys_match_reference_masks(config, T):
+    """The formula counts the same keys as the reference's masks, whatever the selection."""
+    Tc = num_cmp_blocks(T, config)
+    t = torch.arange(T)
+    cmp = int((cmp_block_last_token(Tc, config)[None, :] <= t[:, None]).sum())
+    p_cmp = torch.rand(1, config.n_heads, T, Tc).softmax(-1)
+    sel = int(_selection_mask(select_blocks(p_cmp, T, config.group_size, config), T, config)[0, 0].sum())
+    win = int(((t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - config.window)).sum())
+    assert nsa_keys(T, config) == {"cmp": cmp, "sel": sel, "win": win}
+
+
+def test_paper_config_keys_per_query_at_64k():
+    # ANCHORS.md: at 64k each query touches ~2048 compressed, ~1024 selected, 512 window keys.
+    # Exactly: sel averages (n-1)*l' + (l'+1)/2 = 992.5 past the first n*l' tokens (own block partial).
+    keys = nsa_keys(65536, NSAConfig())
+    assert keys["cmp"] / 65536 == pytest.approx(2048, rel=0.01)
+    assert keys["sel"] / 65536 == pytest.approx(992.5, rel=0.01)
+    assert keys["win"] / 65536 == pytest.approx(512, rel=0.01)
+
+
+def test_parse_ints():
+    assert parse_ints("8k,16384, 1k", "-T") == (8192, 16384, 1024)
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param(["--impls", "nsa-flex,foo"], "allowed: nsa-flex, nsa-flex-module, reference", id="impl"),
+    pytest.param(["-T", "8x"], "expected comma-separated positive integers", id="T-syntax"),
+    pytest.param(["-T", "0"], "expected comma-separated positive integers", id="T-zero"),
+    pytest.param(["--device", "cpu", "-T", "100000"], "allowed: 1 <= T <= 16384", id="T-too-long-on-cpu"),
+    pytest.param(["--modes", "bwd"], "allowed: fwd, fwd+bwd", id="mode"),
+    pytest.param(["--dtype", "fp8"], "allowed: bf16, fp16, fp32", id="dtype"),
+    pytest.param(["--heads", "5", "--kv-heads", "2"], "must be divisible by n_kv_heads=2", id="heads"),
+    pytest.param(["--preset", "huge"], "allowed: paper, bench, g4, tiny", id="preset"),
+    pytest.param(["--device", "tpu"], "allowed: cuda, cpu", id="device"),
+    pytest.param(["--iters", "0"], "iters=0: must be >= 1", id="iters"),
+    pytest.param(["--batch", "0"], "batch=0: must be >= 1", id="batch"),
+])
+def test_cli_rejects_bad_flags(args, message):
+    result = runner.invoke(app, ["attention", *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
+def test_cli_flags_reach_the_config(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run_suite(name, cfg, progress=None):
+        seen["cfg"] = cfg
+        return []
+
+    monkeypatch.setattr("nsa_flex.bench.run_suite", fake_run_suite)
+    args = ["attention", "--device", "cpu", "-T", "64,1k", "--impls", "reference,dense", "--modes", "fwd",
+            "--heads", "8", "--kv-heads", "2", "--head-dim", "16", "--head-dim-v", "8", "--window", "32",
+            "--n-selected", "3", "--dtype", "bf16", "--iters", "2", "--warmup", "0", "--check-seq-len", "0",
+            "--batch", "2", "-o", str(tmp_path), "--name", "x", "--no-progress"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert cfg.seq_lens == (64, 1024) and cfg.impls == ("reference", "dense") and cfg.modes == ("fwd",)
+    assert (cfg.nsa.n_heads, cfg.nsa.n_kv_heads, cfg.nsa.head_dim, cfg.nsa.dv) == (8, 2, 16, 8)
+    assert (cfg.nsa.window, cfg.nsa.n_selected, cfg.nsa.cmp_block) == (32, 3, 32)
+    assert (cfg.dtype, cfg.iters, cfg.warmup, cfg.check_seq_len, cfg.batch) == ("bf16", 2, 0, 0, 2)
+
+
+def test_bench_is_registered_in_the_main_cli():
+    from nsa_flex_cli.main import app as main_app
+
+    result = runner.invoke(main_app, ["bench", "attention", "--list-impls"])
+    assert result.exit_code == 0, result.output
+
+
+def test_cli_list_impls():
+    result = runner.invoke(app, ["attention", "--list-impls"])
+    assert result.exit_code == 0
+    for name in IMPLS:
+        assert name in result.output
+
+
+def test_cpu_defaults_are_tiny_and_leave_out_missing_peers():
+    cfg = attention_config(device="cpu")
+    assert cfg.seq_lens == (256, 512) and cfg.impls == ("reference", "nsa-flex", "dense")
+    assert cfg.preset == "tiny" and cfg.dtype == "fp32"
+
+
+def test_cpu_sweep_end_to_end(tmp_path):
+    """The README's main-job command, shrunk: every file written, the table printed last."""
+    args = ["attention", "--device", "cpu", "-T", "64,128", "--iters", "1", "--warmup", "0",
+            "--check-seq-len", "64", "-o", str(tmp_path), "--name", "cpu", "--git-commit", "abc123"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "GPU figures need CUDA" in result.output
+    assert result.output.rstrip().splitlines()[-1].startswith("- CPU run:")
+    md = (tmp_path / "cpu.md").read_text()
+    assert "| impl | mode | T | median ms |" in md and md.strip() in result.output
+    if pytest.importorskip("matplotlib"):
+        assert (tmp_path / "cpu.png").stat().st_size > 1000
+    report = json.loads((tmp_path / "cpu.json").read_text())
+    _check_schema(report)
+    rows = {(r["impl"], r["mode"], r["T"]): r for r in report["rows"]}
+    assert len(rows) == 3 * 2 * 2
+    for T in (64, 128):
+        for impl in ("reference", "dense"):
+            for mode in ("fwd", "fwd+bwd"):
+                assert rows[impl, mode, T]["status"] == "ok", rows[impl, mode, T]
+                assert rows[impl, mode, T]["check"].startswith("ok")
+        assert rows["dense", "fwd", T]["speedup"] == 1.0
+        assert rows["reference", "fwd+bwd", T]["flops"] == pytest.approx(3.5 * rows["reference", "fwd", T]["flops"])
+        # nsa-flex: forward on CPU; its fwd+bwd row says why it is skipped.
+        assert rows["nsa-flex", "fwd", T]["status"] == "ok", rows["nsa-flex", "fwd", T]
+        assert rows["nsa-flex", "fwd+bwd", T]["status"] == "skipped"
+        assert "no backward on CPU" in rows["nsa-flex", "fwd+bwd", T]["note"]
+
+
+def _check_schema(report: dict) -> None:
+    assert report["schema"] == SCHEMA
+    header = report["header"]
+    for key in ("suite", "date", "git_commit", "command", "device", "torch", "triton", "cuda", "python",
+                "config", "notes", "summary", "speedup_baseline"):
+        assert key in header, key
+    assert header["suite"] == "attention" and header["git_commit"] == "abc123"
+    assert header["speedup_baseline"] == "dense"
+    config = header["config"]
+    assert set(config["nsa"]) == {f.name for f in dataclasses.fields(NSAConfig)}
+    assert "attention given compressed tokens" in config["inputs"]
+    fields = {f.name for f in dataclasses.fields(Row)}
+    for row in report["rows"]:
+        assert set(row) == fields
+        assert row["status"] in ("ok", "error", "skipped")
+        if row["status"] == "ok":
+            assert row["median_ms"] > 0 and row["tflops"] > 0 and row["first_call_ms"] > 0
+        else:
+            assert row["median_ms"] is None
+
+
+def test_failing_rows_are_recorded_and_the_sweep_goes_on(monkeypatch):
+    def build(problem):
+        if problem.T > 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+        return Built(lambda: torch.ones(1), [])
+
+    def check(problem):
+        raise RuntimeError("unsupported shape")
+
+    monkeypatch.setitem(IMPLS, "boom", Impl("boom", "fails", build, check, dense_fwd_flops, "dense causal"))
+    cfg = attention_config(device="cpu", seq_lens=(64, 128), impls=("boom", "dense", "fla"), modes=("fwd",),
+                           iters=1, warmup=0, check_seq_len=64)
+    rows = {(r.impl, r.T): r for r in run_suite("attention", cfg)}
+    assert rows["boom", 64].status == "ok" and rows["boom", 64].check.startswith("check failed")
+    assert rows["boom", 128].status == "error"
+    assert rows["boom", 128].error.startswith("OutOfMemoryError: CUDA out of memory")
+    assert rows["dense", 128].status == "ok"
+    assert rows["fla", 64].status == "skipped" and "needs CUDA" in rows["fla", 64].note
+
+
+def test_speedups_use_the_first_measured_baseline():
+    rows = [Row(suite="s", impl="dense-cudnn", mode="fwd", T=8, status="error"),
+            Row(suite="s", impl="dense-flash", mode="fwd", T=8, median_ms=4.0),
+            Row(suite="s", impl="nsa-flex", mode="fwd", T=8, median_ms=1.0),
+            Row(suite="s", impl="nsa-flex", mode="fwd", T=16, median_ms=1.0)]
+    assert add_speedups(rows, ("dense-cudnn", "dense-flash")) == "dense-flash"
+    assert [r.speedup for r in rows] == [None, 1.0, 4.0, None]
