@@ -126,10 +126,13 @@ def run_group(Hq: int, Hkv: int, sizes, tiles: FlexTiles, args, rows: list, log:
     def op(**x):
         return nsa_flex(**x, config=cfg, tiles=tiles)[0]
 
-    compiled = torch.compile(op, fullgraph=True, dynamic=False)
+    compiled = torch.compile(op, fullgraph=True, dynamic=False) if args.compile_op else op
+    mode = "whole op compiled" if args.compile_op else "eager op, each flex call compiled"
     if args.check and first:
-        checked = torch.compile(lambda **x: nsa_flex(**x, config=cfg, tiles=tiles), fullgraph=True, dynamic=False)
-        log.append(f"Hq={Hq} Hkv={Hkv} {tiles}: " + check(cfg, checked))
+        checked = lambda **x: nsa_flex(**x, config=cfg, tiles=tiles)  # noqa: E731
+        if args.compile_op:
+            checked = torch.compile(checked, fullgraph=True, dynamic=False)
+        log.append(f"Hq={Hq} Hkv={Hkv} {tiles} {mode}: " + check(cfg, checked))
         print(log[-1], flush=True)
     for T in sizes:
         if time.monotonic() - START > args.deadline_s:
@@ -144,7 +147,7 @@ def run_group(Hq: int, Hkv: int, sizes, tiles: FlexTiles, args, rows: list, log:
         compile_s = time.monotonic() - t0
         fwd, fwd_bwd, peak = timed_pair(compiled, x, do)
         rows.append(Row("nsa-flex", Hq, Hkv, T, fwd, fwd_bwd, peak, compile_s,
-                        nsa_flops(cfg, T) / fwd / 1e9, note=f"q_tile={tiles.sel_q_block}"))
+                        nsa_flops(cfg, T) / fwd / 1e9, note=f"q_tile={tiles.sel_q_block}; {mode}"))
         print(rows[-1], flush=True)
         if args.dense and first:
             rows.append(dense_row(cfg, T))
@@ -237,6 +240,8 @@ def main() -> None:
     parser.add_argument("--no-dense", dest="dense", action="store_false")
     parser.add_argument("--no-check", dest="check", action="store_false")
     parser.add_argument("--branches", action="store_true", help="per-branch times at the largest T")
+    parser.add_argument("--eager-op", dest="compile_op", action="store_false",
+                        help="run the op eagerly (each flex call still compiled) instead of compiling it whole")
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()

@@ -46,33 +46,6 @@ class FlexTiles:
             raise ValueError(f"FlexTiles.sel_q_block={self.sel_q_block!r}: must be a power of two >= 16")
 
 
-def _fallback_bwd_config():
-    try:
-        from torch._inductor.template_heuristics.triton import FlexBwDConfig
-    except ImportError:  # torch 2.11 keeps it one level up
-        from torch._inductor.template_heuristics import FlexBwDConfig
-    # 16-wide tiles divide every block size FlexAttention accepts.
-    return FlexBwDConfig(16, 16, 16, 16, 1, 4)
-
-
-def _choices_class():
-    from torch._inductor.choices import InductorChoices
-
-    class NSAFlexChoices(InductorChoices):
-        """Inductor's choices plus one backward flex config that fits 16-row query blocks."""
-
-        def get_flex_attention_bwd_configs(self, *args, **kwargs):
-            configs = list(super().get_flex_attention_bwd_configs(*args, **kwargs))
-            fallback = _fallback_bwd_config()
-            return configs if fallback in configs else configs + [fallback]
-
-        def uuid(self) -> str:
-            # Part of Inductor's cache key (torch >= 2.13): change it when the configs change.
-            return "nsa_flex.tuning.NSAFlexChoices.v1"
-
-    return NSAFlexChoices
-
-
 def install_flex_tuning() -> None:
     """Install NSAFlexChoices for the whole process (idempotent). See the module docstring."""
     global _INSTALLED
@@ -81,9 +54,9 @@ def install_flex_tuning() -> None:
     from torch._inductor import config as inductor_config
     from torch._inductor.virtualized import V
 
-    cls = _choices_class()
+    from nsa_flex._inductor_choices import NSAFlexChoices as cls
     current = getattr(inductor_config, "inductor_choices_class", None)
-    if current is not None:
+    if current is not None and current is not cls:
         raise RuntimeError(
             f"torch._inductor.config.inductor_choices_class is already set to {current!r}; nsa_flex needs "
             "its own (nsa_flex.tuning.NSAFlexChoices) for the selected branch's backward. Merge the two "

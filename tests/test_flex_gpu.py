@@ -36,7 +36,10 @@ def run(fn, x: dict, do: torch.Tensor, **kwargs):
         t.grad = None
     o, sel = fn(**x, **kwargs)
     o.backward(do.to(o.dtype))
-    return o.detach(), {name: x[name].grad.detach().clone() for name in GRAD_INPUTS}, sel
+    # An empty k_cmp (a document shorter than l) gets no gradient at all: count it as zeros.
+    grads = {name: torch.zeros_like(x[name]) if x[name].grad is None else x[name].grad.detach().clone()
+             for name in GRAD_INPUTS}
+    return o.detach(), grads, sel
 
 
 def errors(x: dict, cfg: NSAConfig, do: torch.Tensor, o, grads, sel) -> dict:

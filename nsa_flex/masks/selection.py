@@ -129,7 +129,7 @@ def _global_blocks(local_bhtrn: torch.Tensor, tok_tr: torch.Tensor, docs: Docume
     last = torch.minimum(first + L - 1, tok_tr[..., None])
     ok = local_bhtrn >= 0
     pair = torch.cat([torch.where(ok, first // L, -1), torch.where(ok & (last >= first), last // L, -1)], -1)
-    big = torch.iinfo(torch.int64).max
+    big = 2**30
     pair = torch.sort(torch.where(pair < 0, big, pair), dim=-1).values
     dup = torch.zeros_like(pair, dtype=torch.bool)
     dup[..., 1:] = pair[..., 1:] == pair[..., :-1]

@@ -24,6 +24,10 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+# "No entry" sentinel above every block and position id, kept clear of the int32 / int64
+# extremes (Triton cannot build the negation of int64's minimum as a reduction's start value).
+_BIG = 2**30
+
 
 def make_block_mask(seq_lengths, kv, full_kv, q, full_q, block_size, mask_mod) -> BlockMask:
     """The BlockMask constructor with all 11 arguments, in the order both torch 2.11 and 2.13 take.
@@ -89,7 +93,7 @@ def union_blocks(cand_bhrm: torch.Tensor, n_members_bhr: torch.Tensor, full_ok_b
     A block is full for the tile iff every member lists it and it is causally full; else
     partial. Returns ((num, idx [B,H,R,width]) partial, (num, idx) full), ascending ids.
     """
-    big = torch.iinfo(torch.int32).max
+    big = _BIG
     x = torch.where(cand_bhrm < 0, big, cand_bhrm.to(torch.int32))
     x, order = torch.sort(x, dim=-1)
     full_ok = torch.gather(full_ok_bhrm, -1, order)
@@ -132,7 +136,7 @@ def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, 
     t = torch.arange(q_len, device=device, dtype=torch.int64)
     lo_t, hi_t = lo(t), hi(t)
     seeing = hi_t >= lo_t
-    big = torch.iinfo(torch.int64).max
+    big = _BIG
 
     def per_tile(x, fill, reduce):
         x = torch.nn.functional.pad(x, (0, n_q * qbs - q_len), value=fill)
