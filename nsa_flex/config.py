@@ -40,6 +40,14 @@ class NSAConfig:
     """Independent K/V projections for each branch (paper section 3.3.3)."""
 
     def __post_init__(self) -> None:
+        # Types first, so the value rules below never compare a str or None with an int.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool":
+                _require(field.name, value, isinstance(value, bool), "must be a bool")
+            elif field.type == "int" or (field.type == "int | None" and value is not None):
+                _require(field.name, value, isinstance(value, int) and not isinstance(value, bool),
+                         "must be an int" if field.type == "int" else "must be an int or None")
         for field in ("n_heads", "n_kv_heads", "head_dim", "cmp_block", "cmp_stride",
                       "sel_block", "n_selected", "window"):
             _require(field, getattr(self, field), getattr(self, field) > 0, "must be a positive integer")
@@ -47,11 +55,6 @@ class NSAConfig:
             _require(field, getattr(self, field), getattr(self, field) >= 0, "must be >= 0")
         if self.head_dim_v is not None:
             _require("head_dim_v", self.head_dim_v, self.head_dim_v > 0, "must be a positive integer or None")
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.type in ("int", "int | None") and value is not None:
-                _require(field.name, value, isinstance(value, int) and not isinstance(value, bool),
-                         "must be an int")
         _require("n_heads", self.n_heads, self.n_heads % self.n_kv_heads == 0,
                  f"must be divisible by n_kv_heads={self.n_kv_heads}")
         _require("cmp_block", self.cmp_block, self.cmp_block % self.cmp_stride == 0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_flex.blocks import num_cmp_blocks, num_sel_blocks
+from nsa_flex.blocks import num_cmp_blocks
 from nsa_flex.config import NSAConfig
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -29,6 +29,9 @@ def check_inputs(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, block_indices=
 
     B, T, Hq, Dk = q.shape
     Hkv, Dv = config.n_kv_heads, config.dv
+    # Before Tc is derived from them: a bad cu_seqlens must not surface as a k_cmp shape error.
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T)
     Tc = _expected_tc(T, config, cu_seqlens)
     expected = {
         "q": (B, T, config.n_heads, config.head_dim),
@@ -42,37 +45,62 @@ def check_inputs(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, block_indices=
         raise ValueError(f"q has T={T} tokens; T must be >= 1")
     for name, x in named.items():
         if tuple(x.shape) != expected[name]:
+            layout = _LAYOUT[name]
+            if cu_seqlens is not None and name in ("k_cmp", "v_cmp"):
+                layout = layout.split(" with ")[0] + " with Tc summed over the documents of cu_seqlens"
             raise ValueError(
-                f"{name} has shape {tuple(x.shape)}, expected {expected[name]} = {_LAYOUT[name]} "
+                f"{name} has shape {tuple(x.shape)}, expected {expected[name]} = {layout} "
                 f"for config (n_heads={config.n_heads}, n_kv_heads={Hkv}, head_dim={config.head_dim}, "
                 f"head_dim_v={Dv}) and q of shape {tuple(q.shape)}"
             )
     for name, x, ref in (("k_win", k_win, k), ("v_win", v_win, v)):
-        if x is not None and (x.shape != ref.shape or x.dtype != ref.dtype):
-            raise ValueError(f"{name} must match {name[0]} in shape and dtype {tuple(ref.shape)}, got {tuple(x.shape)}")
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+        if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
+            raise ValueError(
+                f"{name} must match {name[0]} in shape, dtype and device ({tuple(ref.shape)}, {ref.dtype}, "
+                f"{ref.device}), got ({tuple(x.shape)}, {x.dtype}, {x.device})"
+            )
     if block_indices is not None:
-        _check_indices(block_indices, B, Hkv, T, config)
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, B, T)
+        _check_indices(block_indices, B, Hkv, T, config, q.device, cu_seqlens)
 
 
-def _check_indices(idx, B, Hkv, T, config) -> None:
+def _check_indices(idx, B, Hkv, T, config, device, cu_seqlens) -> None:
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"block_indices must be a torch.Tensor, got {type(idx).__name__}")
     if idx.dtype not in INDEX_DTYPES:
         raise TypeError(f"block_indices has dtype {idx.dtype}; allowed: {_names(INDEX_DTYPES)}")
+    if idx.device != device:
+        raise ValueError(f"block_indices is on {idx.device} but q is on {device}; all inputs must share one device")
     want = (B, Hkv, T, config.n_selected)
     if tuple(idx.shape) != want:
         raise ValueError(f"block_indices has shape {tuple(idx.shape)}, expected {want} = [B, Hkv, T, n_selected]")
-    Ns = num_sel_blocks(T, config)
-    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= Ns):
+    # Highest allowed id per token; packed documents use document-local block ids.
+    if cu_seqlens is None:
+        starts = torch.zeros(T, dtype=torch.long)
+        ends = torch.full((T,), T, dtype=torch.long)
+    else:
+        cu = cu_seqlens.long().cpu()
+        lengths = cu[1:] - cu[:-1]
+        starts, ends = cu[:-1].repeat_interleave(lengths), cu[1:].repeat_interleave(lengths)
+    limit_t = ((ends - starts + config.sel_block - 1) // config.sel_block - 1).to(idx.device)
+    bad = (idx < -1) | (idx > limit_t[:, None])
+    if bool(bad.any()):
+        b, h, t, slot = (int(i) for i in bad.nonzero()[0])
+        Ns, s, e = int(limit_t[t]) + 1, int(starts[t]), int(ends[t])
+        where = f"T={T}" if cu_seqlens is None else f"the document of tokens [{s}, {e})"
         raise ValueError(
             f"block_indices values must lie in [-1, {Ns - 1}] (-1 = unused slot, {Ns} selection blocks "
-            f"of {config.sel_block} tokens for T={T}); got min {int(idx.min())}, max {int(idx.max())}"
+            f"of {config.sel_block} tokens for {where}); got {int(idx[b, h, t, slot])} at "
+            f"[b={b}, kv_head={h}, t={t}, slot={slot}]"
         )
 
 
 def _check_cu_seqlens(cu, B, T) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor [n_docs + 1] of int32/int64, got {type(cu).__name__}")
     if cu.dtype not in INDEX_DTYPES or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
     if B != 1:
