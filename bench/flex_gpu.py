@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import datetime
 import json
 import subprocess
@@ -129,7 +130,7 @@ def run_group(Hq: int, Hkv: int, sizes, tiles: FlexTiles, args, rows: list, log:
     compiled = torch.compile(op, fullgraph=True, dynamic=False) if args.compile_op else op
     mode = "whole op compiled" if args.compile_op else "eager op, each flex call compiled"
     if args.check and first:
-        checked = lambda **x: nsa_flex(**x, config=cfg, tiles=tiles)  # noqa: E731
+        checked = functools.partial(nsa_flex, tiles=tiles)
         if args.compile_op:
             checked = torch.compile(checked, fullgraph=True, dynamic=False)
         log.append(f"Hq={Hq} Hkv={Hkv} {tiles} {mode}: " + check(cfg, checked))

@@ -112,11 +112,11 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     width = min(cand.shape[-1], n_blocks)
     partial_kv, full_kv = union_blocks(cand, n_members, full_ok.flatten(-2), width)
 
-    # Full-block columns: block 0 is full for nearly every tile. Partial-block columns: at one
-    # token per tile (single sequences) only the own block is partial, visited by the tiles of its l' tokens.
-    one_token = R == 1 and docs is None
-    partial_width = min(n_tiles, -(-L * G // q_block) + 1) if one_token else n_tiles
-    partial_q = transpose_blocks(*partial_kv, n_blocks, partial_width)
+    # Column lists as wide as the number of query tiles: block 0 is full for nearly every
+    # tile. (At one token per tile only the own block is partial, so l'*G/q_block + 1 would
+    # bound the partial lists, but that narrower width gave wrong dK/dV with one kv head on
+    # torch 2.11: bench/results/flex_gpu_tests.txt.)
+    partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
     full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
     mask_mod = selection_mask_mod(selection_bits(block_indices, n_blocks), G, L, docs)
     return make_block_mask((rows, T), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)
