@@ -139,24 +139,29 @@ def run_group(Hq: int, Hkv: int, sizes, tiles: FlexTiles, args, rows: list, log:
         if time.monotonic() - START > args.deadline_s:
             rows.append(Row("nsa-flex", Hq, Hkv, T, note="skipped: deadline"))
             continue
-        x = inputs(cfg, T)
-        do = torch.randn(1, T, Hq, cfg.dv, device="cuda", dtype=torch.bfloat16)
-        t0 = time.monotonic()
-        o = compiled(**x)
-        o.backward(do)
-        torch.cuda.synchronize()
-        compile_s = time.monotonic() - t0
-        fwd, fwd_bwd, peak = timed_pair(compiled, x, do)
-        rows.append(Row("nsa-flex", Hq, Hkv, T, fwd, fwd_bwd, peak, compile_s,
-                        nsa_flops(cfg, T) / fwd / 1e9, note=f"q_tile={tiles.sel_q_block}; {mode}"))
+        try:
+            x = inputs(cfg, T)
+            do = torch.randn(1, T, Hq, cfg.dv, device="cuda", dtype=torch.bfloat16)
+            t0 = time.monotonic()
+            compiled(**x).backward(do)
+            torch.cuda.synchronize()
+            compile_s = time.monotonic() - t0
+            fwd, fwd_bwd, peak = timed_pair(compiled, x, do)
+            rows.append(Row("nsa-flex", Hq, Hkv, T, fwd, fwd_bwd, peak, compile_s,
+                            nsa_flops(cfg, T) / fwd / 1e9, note=f"q_tile={tiles.sel_q_block}; {mode}"))
+        except Exception as e:  # one failed size must not lose the others
+            rows.append(Row("nsa-flex", Hq, Hkv, T, note=f"error: {type(e).__name__}: {str(e)[:200]}"))
         print(rows[-1], flush=True)
+        x = do = None
+        torch.cuda.empty_cache()
         if args.dense and first:
             rows.append(dense_row(cfg, T))
             print(rows[-1], flush=True)
-        del x, o
-        torch.cuda.empty_cache()
     if args.branches and first and time.monotonic() - START < args.deadline_s:
-        branch_rows(cfg, max(sizes), tiles, rows)
+        try:
+            branch_rows(cfg, max(sizes), tiles, rows)
+        except Exception as e:
+            rows.append(Row("branches", Hq, Hkv, max(sizes), note=f"error: {type(e).__name__}: {str(e)[:200]}"))
 
 
 def dense_row(cfg: NSAConfig, T: int) -> Row:

@@ -4,8 +4,8 @@ compressed Flex call (with lse) -> selection op -> selected Flex call (folded GQ
 -> window Flex call -> gated sum. Every step is traceable, so the whole op compiles with
 `torch.compile(nsa_flex, fullgraph=True)` and the gated sum fuses with the layout changes.
 
-On CUDA the flex calls go through `flex_attention` compiled once at module level (inside an
-outer compile Dynamo inlines it). On CPU flex runs eagerly (dense, for correctness, no
+On CUDA the flex calls go through one small function per branch, compiled once at module
+level (inside an outer compile Dynamo inlines them). On CPU flex runs eagerly (dense, for correctness, no
 backward: FlexAttention has none on CPU) and the compressed branch's lse, which compiled
 CPU flex cannot return, comes from a small dense torch computation.
 
@@ -26,7 +26,33 @@ from nsa_flex.masks.documents import Documents, documents
 from nsa_flex.ops import select_blocks
 from nsa_flex.tuning import FlexTiles
 
-_compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+# One small function per branch, each compiled once here: separate code objects keep Dynamo's
+# per-function recompile limit (8 shapes) per branch instead of shared by all three.
+def _flex_gqa_lse(q, k, v, block_mask, scale, kernel_options):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                          return_aux=AuxRequest(lse=True), kernel_options=kernel_options)
+
+
+def _flex_folded(q, k, v, block_mask, scale, kernel_options):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
+
+
+def _flex_gqa(q, k, v, block_mask, scale, kernel_options):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                          kernel_options=kernel_options)
+
+
+_COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_flex_gqa_lse, _flex_folded, _flex_gqa)}
+
+
+def _call(fn, q, k, v, block_mask, scale, branch: str):
+    """A branch's flex call: compiled with its tiles on CUDA, eager (dense, exact) on CPU."""
+    if q.is_cuda:
+        opts = tuning.branch_kernel_options(branch, q.shape[-1], q.dtype, q_block=block_mask.BLOCK_SIZE[0],
+                                            kv_block=block_mask.BLOCK_SIZE[1])
+        return _COMPILED[fn](q, k, v, block_mask, scale, opts)
+    return fn(q, k, v, block_mask, scale, None)
 
 
 def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
@@ -71,12 +97,11 @@ def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: F
     q_bhtd, k_bhtd, v_bhtd = q.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)
     mask = compressed_block_mask(T, Tc, config, q.device, tiles.cmp_block, docs)
     if q.is_cuda:
-        opts = tuning.branch_kernel_options("cmp", q.shape[-1], q.dtype)
-        o, aux = _compiled_flex(q_bhtd, k_bhtd, v_bhtd, block_mask=mask, scale=scale, enable_gqa=True,
-                                return_aux=AuxRequest(lse=True), kernel_options=opts)
+        o, aux = _call(_flex_gqa_lse, q_bhtd, k_bhtd, v_bhtd, mask, scale, "cmp")
         lse = aux.lse
     else:
-        o = flex_attention(q_bhtd, k_bhtd, v_bhtd, block_mask=mask, scale=scale, enable_gqa=True)
+        # Compiled CPU flex cannot return the lse: take it from the dense scores there.
+        o = _call(_flex_gqa, q_bhtd, k_bhtd, v_bhtd, mask, scale, "cmp")
         lse = _dense_lse(q_bhtd, k_bhtd, mask, scale)
     return o.transpose(1, 2), lse.float()
 
@@ -90,13 +115,7 @@ def selected_branch(q, k, v, block_indices, config: NSAConfig, scale: float, til
     # Row t*G + g of kv head h is query head h*G + g at token t.
     q_fold = q.view(B, T, Hkv, G, Dk).transpose(1, 2).reshape(B, Hkv, T * G, Dk)
     mask = selection_block_mask(block_indices, T, G, config, tiles.sel_q_block, docs)
-    if q.is_cuda:
-        opts = tuning.branch_kernel_options("sel", Dk, q.dtype, q_block=tiles.sel_q_block,
-                                            kv_block=config.sel_block)
-        o = _compiled_flex(q_fold, k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale,
-                           kernel_options=opts)
-    else:
-        o = flex_attention(q_fold, k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale)
+    o = _call(_flex_folded, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "sel")
     return o.view(B, Hkv, T, G, Dv).transpose(1, 2).reshape(B, T, Hq, Dv)
 
 
@@ -104,12 +123,7 @@ def window_branch(q, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, do
     """o [B,T,Hq,Dv] of the sliding window (w tokens, the query included)."""
     T = q.shape[1]
     mask = window_block_mask(T, config.window, q.device, tiles.win_block, docs)
-    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    if q.is_cuda:
-        opts = tuning.branch_kernel_options("win", q.shape[-1], q.dtype)
-        o = _compiled_flex(*args, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=opts)
-    else:
-        o = flex_attention(*args, block_mask=mask, scale=scale, enable_gqa=True)
+    o = _call(_flex_gqa, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win")
     return o.transpose(1, 2)
 
 
