@@ -7,6 +7,8 @@ import typer
 from nsa_flex_cli import bench
 from nsa_flex_cli.demo import demo
 from nsa_flex_cli.info import info
+from nsa_flex_cli.memory import memory
+from nsa_flex_cli.train import train
 
 app = typer.Typer(
     name="nsa-flex",
@@ -17,6 +19,8 @@ app = typer.Typer(
 )
 app.command()(info)
 app.command()(demo)
+app.command()(train)
+app.command()(memory)
 app.add_typer(bench.app, name="bench")
 
 

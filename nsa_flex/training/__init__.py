@@ -1,0 +1,2 @@
+"""The parts of `nsa_flex.train.train()`: settings, checkpoints, parallelism, optimizer, metrics,
+watchdog and text tokenisation. Each is small; `train()` calls them in a fixed order."""

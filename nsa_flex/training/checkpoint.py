@@ -1,0 +1,142 @@
+"""Checkpoints: atomic files with everything a run needs to continue exactly.
+
+A checkpoint is one file `out_dir/checkpoints/step_XXXXXXXX.pt` holding the model, the
+optimizer, the LR scheduler, the GradScaler (fp16), the data position, the RNG states, the
+non-finite counters and the config. It is written to a temporary file in the same folder,
+fsync'ed, and renamed over the final name, so a run killed at any moment leaves either the
+complete new checkpoint or none (stray `.tmp-*` files are never read). It loads with
+`torch.load(weights_only=True)`: no pickled code runs.
+
+Model and optimizer states are full (unsharded) state dicts keyed by parameter name, gathered
+with torch.distributed.checkpoint's helpers, so one file serves one process, DDP and FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+
+import torch
+
+FORMAT = "nsa-flex-train/1"
+_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A missing, corrupt or incompatible checkpoint; the message names the file."""
+
+
+def checkpoint_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    return checkpoint_dir(out_dir) / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in out_dir, oldest first."""
+    folder = checkpoint_dir(out_dir)
+    if not folder.is_dir():
+        return []
+    found = ((_NAME.match(p.name), p) for p in folder.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+def find_resume(resume: str, out_dir: str | Path) -> Path | None:
+    """The checkpoint to resume from: auto (latest or none), none, latest (must exist), or a path."""
+    match resume:
+        case "none":
+            return None
+        case "auto" | "latest":
+            found = list_checkpoints(out_dir)
+            if not found and resume == "latest":
+                raise CheckpointError(f"--resume latest: no checkpoint in {checkpoint_dir(out_dir)}")
+            return found[-1][1] if found else None
+        case _:
+            path = Path(resume)
+            if not path.is_file():
+                raise CheckpointError(f"--resume {resume}: no such checkpoint file")
+            return path
+
+
+def save(path: Path, state: dict) -> None:
+    """Write `state` to `path` atomically (temp file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    # The rename itself must reach the disk before older checkpoints are pruned.
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: Path) -> dict:
+    """Read a checkpoint with weights_only=True; any failure is a CheckpointError naming the file."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        older = [p for _, p in list_checkpoints(path.parent.parent) if p != path]
+        hint = f"; an older one is {older[-1]}" if older else ""
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an nsa-flex training checkpoint (expected format {FORMAT!r})")
+    return state
+
+
+def prune(out_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for _, path in list_checkpoints(out_dir)[:-keep]:
+        path.unlink(missing_ok=True)
+
+
+def model_and_optimizer_state(model, optimizer) -> tuple[dict, dict]:
+    """Full state dicts on the CPU (collective under FSDP2: every rank must call it)."""
+    # Imported here: torch.distributed.checkpoint takes seconds to import.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_model_and_optimizer(model, optimizer, state: dict) -> None:
+    """Load full state dicts into a (possibly DDP/FSDP2-wrapped) model and its optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_compatible(state: dict, model_config: dict, path: Path) -> None:
+    """The checkpoint's model must be the configured one (impl aside: it is a runtime choice)."""
+    saved = dict(state["config"]["model"])
+    now = dict(model_config)
+    saved.pop("impl", None), now.pop("impl", None)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(now) if saved.get(k) != now.get(k)]
+    if diff:
+        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)}); "
+                              "use the same model settings or another --out-dir")

@@ -1,0 +1,65 @@
+"""nsa_flex.memory: the exact parts (params, grads, optimizer) against a real model and AdamW (CPU).
+
+Activation and mask terms are estimates; bench/train_gpu.py checks the total against
+torch.cuda.max_memory_allocated on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nsa_flex.memory import count_params, estimate, persistent_bytes
+from nsa_flex.model import MODEL_PRESETS, NSALM
+from nsa_flex.training.optim import build_optimizer
+
+TINY = MODEL_PRESETS["tiny"]
+
+
+@pytest.fixture(autouse=True)
+def fixed_seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_params_grads_optimizer_are_exact(attention, tie):
+    config = TINY.replace(attention=attention, tie_embeddings=tie)
+    model = NSALM(config, device="cpu")
+    optimizer = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, device=torch.device("cpu"))
+    tokens = torch.randint(0, config.vocab_size, (2, 64))
+    model.loss(tokens, tokens).backward()
+    optimizer.step()
+    measured = persistent_bytes(model, optimizer)
+    est = estimate(config, batch_size=2, seq_len=64, precision="fp32", compiled=False, impl="reference")
+    assert (est.params, est.grads, est.optimizer) == (measured["params"], measured["grads"], measured["optimizer"])
+    assert count_params(config).total == model.num_params()
+
+
+def test_estimate_scaling():
+    big = MODEL_PRESETS["seeds-125m"]
+    dense = [estimate(big.replace(attention="dense"), batch_size=1, seq_len=T).activations for T in (2048, 8192)]
+    assert dense[1] == pytest.approx(4 * dense[0], rel=0.01)
+    # The flex path's masks are small next to the activations; the reference's grow as T^2.
+    flex = estimate(big, batch_size=16, seq_len=2048)
+    assert flex.masks < 0.05 * flex.activations
+    ref = [estimate(big, batch_size=1, seq_len=T, impl="reference").masks for T in (1024, 2048)]
+    assert ref[1] > 3.5 * ref[0]
+    ckpt = estimate(big, batch_size=16, seq_len=2048, activation_checkpointing=True)
+    assert ckpt.activations < flex.activations / 4
+    fsdp = estimate(big, batch_size=16, seq_len=2048, parallel="fsdp", world_size=4)
+    assert fsdp.optimizer == pytest.approx(flex.optimizer / 4, rel=1e-6)
+    assert estimate(big, batch_size=1, seq_len=2048, precision="fp32").weight_casts == 0
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        estimate(big, batch_size=1, seq_len=2048, precision="fp8")
+
+
+def test_memory_command():
+    from nsa_flex_cli.main import app
+
+    result = CliRunner().invoke(app, ["memory", "--preset", "seeds-125m", "-T", "8192", "-B", "4"])
+    assert result.exit_code == 0, result.output
+    assert "| total |" in result.output and "128,640,432 parameters" in result.output
+    bad = CliRunner().invoke(app, ["memory", "--preset", "nope"])
+    assert bad.exit_code == 2 and "unknown preset 'nope'" in bad.output

@@ -1,0 +1,222 @@
+"""train(): the loss falls, resume is exact, kills resume, the watchdog fires, the NaN guard (CPU).
+
+Everything runs the tiny preset with the reference NSA on short sequences; the runs that must
+die (a SIGKILL, a stall) run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nsa_flex.train import NonFiniteLossError, TrainHooks, train
+from nsa_flex.training import checkpoint as ckpt
+from nsa_flex.training.config import ConfigError, build_config
+from nsa_flex.training.metrics import read_metrics
+from nsa_flex.training.watchdog import STALL_EXIT_CODE, Watchdog
+
+
+def tiny(tmp_path, name="run", **settings):
+    """A small, fast TrainConfig: tiny preset, T=64, B=4, in tmp_path/name."""
+    base = {"steps": 4, "seq_len": 64, "batch_size": 4, "warmup_steps": 2, "out_dir": str(tmp_path / name),
+            "tensorboard": False, "log_every": 1000}
+    return build_config({}, {**base, **settings})
+
+
+def run_script(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_loss_falls_on_synthetic_data(tmp_path):
+    result = train(tiny(tmp_path, steps=25, seq_len=128, batch_size=8, lr=3e-3, warmup_steps=5))
+    first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
+    assert first > math.log(208) - 0.6, result.losses
+    assert last < first - 1.0, result.losses
+    assert result.nonfinite_steps == 0
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 26))
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory_gib", "skipped"} <= set(rows[0])
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_resume_continues_exactly(tmp_path, attention):
+    model = {"attention": attention}
+    full = train(tiny(tmp_path, "full", steps=6, checkpoint_every=3, model=model))
+    saved = ckpt.checkpoint_path(tmp_path / "full", 3)
+    assert saved.is_file() and ckpt.checkpoint_path(tmp_path / "full", 6).is_file()
+    resumed = train(tiny(tmp_path, "resumed", steps=6, resume=str(saved), model=model))
+    assert resumed.start_step == 3
+    # Bit-exact: same data position, optimizer moments, schedule and RNG.
+    assert resumed.losses == full.losses[3:]
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path):
+    reference = train(tiny(tmp_path, "reference", steps=6))
+    out = tmp_path / "killed"
+    proc = run_script(f"""
+        import os, signal
+        from nsa_flex.train import TrainHooks, train
+        from nsa_flex.training.config import build_config
+        cfg = build_config({{}}, dict(steps=6, seq_len=64, batch_size=4, warmup_steps=2, out_dir={str(out)!r},
+                                      tensorboard=False, checkpoint_every=2, keep_checkpoints=5))
+        def kill(step):
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+        train(cfg, hooks=TrainHooks(before_step=kill))
+    """)
+    assert proc.returncode == -9, proc.stderr
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [2, 4]
+    resumed = train(tiny(tmp_path, "killed", steps=6, resume="latest"))
+    assert resumed.start_step == 4
+    assert resumed.losses == reference.losses[4:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
+
+
+def test_resume_auto_and_nothing_left(tmp_path):
+    train(tiny(tmp_path, steps=2))
+    again = train(tiny(tmp_path, steps=2))
+    assert again.start_step == 2 and again.losses == []
+    longer = train(tiny(tmp_path, steps=3))
+    assert longer.start_step == 2 and len(longer.losses) == 1
+    fresh = train(tiny(tmp_path, steps=1, resume="none"))
+    assert fresh.start_step == 0
+
+
+def test_watchdog_fires_on_injected_stall(tmp_path):
+    proc = run_script(f"""
+        import time
+        from nsa_flex.train import TrainHooks, train
+        from nsa_flex.training.config import build_config
+        cfg = build_config({{}}, dict(steps=5, seq_len=32, batch_size=2, out_dir={str(tmp_path / 'stall')!r},
+                                      tensorboard=False, stall_timeout=2.0, first_step_timeout=60.0))
+        train(cfg, hooks=TrainHooks(before_step=lambda step: time.sleep(600) if step == 3 else None))
+    """)
+    assert proc.returncode == STALL_EXIT_CODE, proc.stderr
+    assert "no training step finished in" in proc.stderr
+    assert "last finished step: 2" in proc.stderr
+    # faulthandler's dump: the main thread is caught in the injected sleep.
+    assert "Current thread" in proc.stderr or "Thread 0x" in proc.stderr
+    assert "<lambda>" in proc.stderr
+
+
+def test_watchdog_unit():
+    stalls = []
+    with Watchdog(0.3, rank=1, on_stall=stalls.append, poll=0.05) as dog:
+        for step in range(1, 4):
+            dog.beat(step)
+        torch.ones(1)
+        import time
+
+        time.sleep(0.8)
+    assert len(stalls) == 1 and "rank 1" in stalls[0] and "last finished step: 3" in stalls[0]
+    with Watchdog(0, on_stall=stalls.append):
+        pass
+    assert len(stalls) == 1
+
+
+def test_nonfinite_loss_skips_the_step(tmp_path):
+    def poison(step, loss):
+        return loss * float("nan") if step == 3 else loss
+
+    cfg = tiny(tmp_path, steps=5)
+    result = train(cfg, hooks=TrainHooks(loss_transform=poison))
+    assert result.nonfinite_steps == 1
+    assert math.isnan(result.losses[2]) and all(math.isfinite(x) for i, x in enumerate(result.losses) if i != 2)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False]
+    state = ckpt.load(ckpt.checkpoint_path(tmp_path / "run", 5))
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_nonfinite_losses_in_a_row_abort(tmp_path):
+    def poison(step, loss):
+        return loss * float("inf") if step >= 2 else loss
+
+    with pytest.raises(NonFiniteLossError, match=r"3 steps in a row \(steps 2..4\); aborting at step 4"):
+        train(tiny(tmp_path, steps=10, nonfinite_limit=3), hooks=TrainHooks(loss_transform=poison))
+
+
+def test_grad_accumulation_matches_a_bigger_batch(tmp_path):
+    big = train(tiny(tmp_path, "big", steps=3, batch_size=4))
+    accum = train(tiny(tmp_path, "accum", steps=3, batch_size=2, grad_accum=2))
+    assert accum.losses == pytest.approx(big.losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_on_cpu(tmp_path, precision):
+    def poison(step, loss):
+        return loss * float("nan") if step == 2 else loss
+
+    result = train(tiny(tmp_path, steps=3, precision=precision, model={"attention": "dense"}),
+                   hooks=TrainHooks(loss_transform=poison))
+    assert result.nonfinite_steps == 1 and math.isfinite(result.losses[-1])
+    scales = [r["scale"] for r in read_metrics(tmp_path / "run")]
+    # fp16 runs a GradScaler, which halves its scale after the poisoned step.
+    assert scales == ([None] * 3 if precision == "bf16" else [65536.0, 32768.0, 32768.0])
+
+
+def test_activation_checkpointing_trains_identically(tmp_path):
+    plain = train(tiny(tmp_path, "plain", steps=3))
+    recomputed = train(tiny(tmp_path, "recomputed", steps=3, activation_checkpointing=True))
+    assert recomputed.losses == plain.losses
+
+
+def test_text_data_end_to_end(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * 40}) + "\n" for i in range(20)))
+    result = train(tiny(tmp_path, steps=2, data=str(corpus)))
+    assert len(result.losses) == 2
+    assert list((tmp_path / "run" / "data").glob("tokens-*.bin"))
+
+
+@pytest.mark.parametrize("settings, match", [
+    pytest.param({"preset": "huge"}, "unknown preset 'huge'", id="preset"),
+    pytest.param({"stepz": 3}, "unknown setting 'stepz'; allowed: model, data", id="unknown-key"),
+    pytest.param({"model": {"widht": 3}}, "unknown setting 'model.widht'", id="unknown-model-key"),
+    pytest.param({"model": {"nsa": {"window": 0}}}, "window=0", id="nsa-window"),
+    pytest.param({"seq_len": 512}, r"seq_len=512: must lie in \[1, model.max_seq_len=256\]", id="seq-len"),
+    pytest.param({"precision": "fp8"}, "precision='fp8'", id="precision"),
+    pytest.param({"steps": "10"}, "steps='10': must be of type int", id="steps-type"),
+    pytest.param({"lr": -1.0}, "lr=-1.0", id="lr"),
+])
+def test_bad_settings(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config({}, settings)
+
+
+@pytest.mark.parametrize("settings, match", [
+    pytest.param({"model": {"vocab_size": 64}}, "needs 208 token ids .* vocab_size=64", id="vocab"),
+    pytest.param({"float8": True}, "float8 training needs a CUDA device", id="float8-cpu"),
+    pytest.param({"parallel": "ddp"}, "parallel=ddp needs torchrun", id="ddp-without-torchrun"),
+    pytest.param({"resume": "latest"}, "--resume latest: no checkpoint", id="resume-latest"),
+    pytest.param({"resume": "nowhere.pt"}, "--resume nowhere.pt: no such checkpoint file", id="resume-path"),
+])
+def test_bad_runs_fail_clearly(tmp_path, settings, match):
+    with pytest.raises((ConfigError, ckpt.CheckpointError), match=match):
+        train(tiny(tmp_path, **settings))
+
+
+def test_corrupt_and_incompatible_checkpoints(tmp_path):
+    train(tiny(tmp_path, steps=2, checkpoint_every=1))
+    newest = ckpt.checkpoint_path(tmp_path / "run", 2)
+    newest.write_bytes(newest.read_bytes()[:1000])
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000002.pt is corrupt or truncated .* older one is .*"
+                                                   r"step_00000001.pt"):
+        train(tiny(tmp_path, steps=3))
+    newest.unlink()
+    with pytest.raises(ckpt.CheckpointError, match="another model config .*attention: checkpoint 'nsa', now 'dense'"):
+        train(tiny(tmp_path, steps=3, model={"attention": "dense"}))
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="junk.pt is corrupt"):
+        train(tiny(tmp_path, steps=3, resume=str(tmp_path / "junk.pt")))
+    # A half-written temporary file from a killed save is never taken for a checkpoint.
+    shutil.copy(ckpt.checkpoint_path(tmp_path / "run", 1), newest.with_name("step_00000009.pt.tmp-123"))
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [1]

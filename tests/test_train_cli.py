@@ -1,0 +1,65 @@
+"""`nsa-flex train`: config and versions first, config files, flag precedence, clear errors (CPU)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from nsa_flex.training.config import ConfigError, build_config, load_config_file
+from nsa_flex_cli.main import app
+
+FAST = ["--preset", "tiny", "-T", "64", "-B", "2", "--no-tensorboard"]
+
+
+def test_train_command_prints_config_versions_then_progress(tmp_path):
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "3", "--log-every", "1", "-o", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("nsa_flex=") and "torch=" in lines[0]
+    assert lines[2].startswith("config: {") and '"seq_len": 64' in lines[2]
+    assert "step      3/3  loss" in result.output and "tok/s" in result.output
+    assert "done: step 3" in result.output
+
+
+def test_config_file_and_flag_precedence(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "tiny"\nsteps = 7\nlr = 1\ncompile = false\n[model]\nattention = "dense"\n'
+                    '[model.nsa]\nwindow = 64\n')
+    cfg = build_config(load_config_file(toml), {"steps": 2})
+    assert (cfg.steps, cfg.lr, cfg.compile, cfg.model.attention, cfg.model.nsa.window) == (2, 1.0, "off", "dense", 64)
+    assert cfg.seq_len == 128  # the tiny preset's training default
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("steps: 5\nmodel:\n  attention: nsa\n")
+    pytest.importorskip("yaml")
+    assert build_config(load_config_file(yaml_file)).steps == 5
+
+
+def test_config_file_errors(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="config file .*missing.toml does not exist"):
+        load_config_file(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config_file(bad)
+    (tmp_path / "x.ini").write_text("")
+    with pytest.raises(ConfigError, match="unknown type '.ini'"):
+        load_config_file(tmp_path / "x.ini")
+    (tmp_path / "a.yaml").write_text("steps: 1\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    with pytest.raises(ConfigError, match=r"reading YAML needs PyYAML \(pip install pyyaml\)"):
+        load_config_file(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param(["--preset", "huge"], "unknown preset 'huge'", id="preset"),
+    pytest.param(["--data", "no/such/folder"], "no such file or folder", id="data"),
+    pytest.param(["--config", "nowhere.toml"], "nowhere.toml does not exist", id="config"),
+    pytest.param(["--resume", "nowhere.pt"], "no such checkpoint file", id="resume"),
+    pytest.param(["--attention", "sparse"], "attention='sparse'", id="attention"),
+])
+def test_train_command_errors(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "-o", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and message in result.output
