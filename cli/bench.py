@@ -120,3 +120,36 @@ def _run_with_progress(run_suite, cfg, show: bool):
         return run_suite("attention", cfg,
                          progress=lambda done, total, what: bar.update(task, completed=done, total=total,
                                                                        description=what))
+
+
+@app.command()
+def decode(
+    contexts: Optional[str] = typer.Option(None, "--contexts", "-T", help=(
+        "Tokens already cached, comma-separated, k = 1024. Default: 8k,16k,32k,64k,128k on CUDA; 256,512 on CPU.")),
+    batches: Optional[str] = typer.Option(None, help="Batch sizes, comma-separated (default 1,8 on CUDA; 1,2 on CPU)."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when torch sees one)."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Check compiled decode against the reference first."),
+    out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
+    name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_decode)."),
+    git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+) -> None:
+    """One layer's NSA decode step (one CUDA graph) against dense SDPA decode over context lengths."""
+    from nsa_flex.bench import default_stem, run_suite, write_report
+    from nsa_flex.bench.decode import decode_config, decode_notes, decode_summary
+
+    try:
+        cfg = decode_config(device=device, check=check,
+                            contexts=parse_ints(contexts, "--contexts") if contexts else None,
+                            batches=parse_ints(batches, "--batches") if batches else None)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if cfg.device == "cpu":
+        typer.echo("No CUDA device (or --device cpu): a tiny functional decode sweep; GPU figures need CUDA.")
+    typer.echo(f"bench decode: {decode_summary(cfg)}; T={list(cfg.contexts)} B={list(cfg.batches)}")
+    rows = run_suite("decode", cfg, progress=lambda done, total, what: typer.echo(f"  [{done}/{total}] {what}", err=True))
+    paths, md = write_report(out_dir, name or default_stem("decode", cfg.device), suite="decode", config=cfg,
+                             rows=rows, summary=decode_summary(cfg), notes=decode_notes(cfg), commit=git_commit)
+    for kind, path in paths.items():
+        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    typer.echo("")
+    typer.echo(md)

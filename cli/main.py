@@ -6,6 +6,7 @@ import typer
 
 from nsa_flex_cli import bench
 from nsa_flex_cli.demo import demo
+from nsa_flex_cli.generate import generate
 from nsa_flex_cli.info import info
 from nsa_flex_cli.memory import memory
 from nsa_flex_cli.train import train
@@ -20,6 +21,7 @@ app = typer.Typer(
 app.command()(info)
 app.command()(demo)
 app.command()(train)
+app.command()(generate)
 app.command()(memory)
 app.add_typer(bench.app, name="bench")
 
