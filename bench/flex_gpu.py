@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.blocks import num_cmp_blocks  # noqa: E402
-from nsa_flex.flex import compressed_branch, nsa_flex, selected_branch, window_branch  # noqa: E402
+from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
 from nsa_flex.masks import selection_block_mask  # noqa: E402
 from nsa_flex.ops import select_blocks  # noqa: E402
 from nsa_flex.reference import nsa_reference  # noqa: E402
@@ -185,15 +185,16 @@ def branch_rows(cfg: NSAConfig, T: int, tiles: FlexTiles, rows: list) -> None:
     x = inputs(cfg, T)
     scale = cfg.head_dim ** -0.5
     q, k, v, kc, vc = (x[n] for n in ("q", "k", "v", "k_cmp", "v_cmp"))
+    q_fold = fold(q.detach(), cfg.n_kv_heads).requires_grad_(True)
     with torch.no_grad():
-        _, lse = torch.compile(compressed_branch, fullgraph=True)(q, kc, vc, cfg, scale, tiles)
-        sel = torch.compile(select_blocks, fullgraph=True)(q, kc, lse, cfg, scale=scale)
+        _, lse = torch.compile(compressed_branch, fullgraph=True)(q_fold, kc, vc, cfg, scale, tiles)
+        sel = select_blocks(q, kc, lse, cfg, scale=scale)
     steps = {
-        "cmp branch": lambda: compressed_branch(q, kc, vc, cfg, scale, tiles)[0],
-        "sel branch": lambda: selected_branch(q, k, v, sel, cfg, scale, tiles),
-        "win branch": lambda: window_branch(q, k, v, cfg, scale, tiles),
+        "cmp branch": lambda: compressed_branch(q_fold, kc, vc, cfg, scale, tiles)[0],
+        "sel branch": lambda: selected_branch(q_fold, k, v, sel, cfg, scale, tiles),
+        "win branch": lambda: window_branch(q_fold, k, v, cfg, scale, tiles),
     }
-    do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q_fold[..., :cfg.dv])
     for name, fn in steps.items():
         compiled = torch.compile(fn, fullgraph=True)
 
@@ -204,7 +205,8 @@ def branch_rows(cfg: NSAConfig, T: int, tiles: FlexTiles, rows: list) -> None:
         rows.append(Row(name, cfg.n_heads, cfg.n_kv_heads, T, bench_ms(compiled), bench_ms(fwd_bwd), peak_gib(fwd_bwd)))
         print(rows[-1], flush=True)
     no_grad_steps = {
-        "selection op": torch.compile(lambda: select_blocks(q, kc, lse, cfg, scale=scale), fullgraph=True),
+        # Eager: the op's Triton kernel does not compile inside Inductor on torch 2.11 yet (fp64 scale).
+        "selection op": lambda: select_blocks(q, kc, lse, cfg, scale=scale),
         "sel BlockMask": torch.compile(
             lambda: selection_block_mask(sel, T, cfg.group_size, cfg, tiles.sel_q_block).full_q_indices,
             fullgraph=True),

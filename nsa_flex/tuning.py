@@ -31,9 +31,9 @@ class FlexTiles:
     """BlockMask block sizes of the three branches (speed knobs; results do not depend on them)."""
 
     cmp_block: tuple[int, int] = (128, 128)
-    """(query tokens, compressed tokens) per block of the compressed branch."""
+    """(folded query rows, compressed tokens) per block of the compressed branch (128 rows = 8 tokens at G=16)."""
     win_block: tuple[int, int] = (128, 128)
-    """(query tokens, key tokens) per block of the window branch."""
+    """(folded query rows, key tokens) per block of the window branch."""
     sel_q_block: int = 16
     """Folded query rows per tile of the selected branch (G=16: one token); kv blocks are l'."""
 
@@ -55,12 +55,13 @@ def install_flex_tuning() -> None:
     from torch._inductor.virtualized import V
 
     from nsa_flex._inductor_choices import NSAFlexChoices as cls
+
     current = getattr(inductor_config, "inductor_choices_class", None)
     if current is not None and current is not cls:
         raise RuntimeError(
             f"torch._inductor.config.inductor_choices_class is already set to {current!r}; nsa_flex needs "
-            "its own (nsa_flex.tuning.NSAFlexChoices) for the selected branch's backward. Merge the two "
-            "classes (subclass yours from NSAFlexChoices' logic) and install that instead."
+            "its own (nsa_flex._inductor_choices.NSAFlexChoices) for the selected branch's backward. Merge "
+            "the two classes (one subclass with both changes) and install that instead."
         )
     if hasattr(inductor_config, "inductor_choices_class"):
         inductor_config.inductor_choices_class = cls
@@ -87,6 +88,9 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
         return opts
     if branch != "sel":
         raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel'")
+    if kv_block < 16 or kv_block & (kv_block - 1):
+        raise ValueError(f"NSAConfig.sel_block={kv_block}: impl='flex' on CUDA needs a power of two >= 16 "
+                         "(the selected blocks are the kernel's kv blocks); use impl='reference' otherwise")
     block_n = min(kv_block, 32 if (wide or f32) else 64)
     stages = 2 if (wide or f32) else 3
     opts.update(

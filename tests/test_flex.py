@@ -176,6 +176,21 @@ def test_compressed_block_mask(T):
                            reference_bm.to_dense().bool())
 
 
+@pytest.mark.parametrize("T,G", [(200, 4), (77, 16), (130, 3)])
+def test_folded_interval_masks(T, G):
+    """Compressed and window masks over folded rows (t*G + g) equal the plain ones repeated G times."""
+    cfg = small_config(G, 16, 16)
+    Tc = num_cmp_blocks(T, cfg)
+    t, i, s = torch.arange(T)[:, None], torch.arange(Tc)[None, :], torch.arange(T)[None, :]
+    cmp_dense = (i * cfg.cmp_stride + cfg.cmp_block - 1 <= t).repeat_interleave(G, 0)[None, None]
+    win_dense = ((s <= t) & (t - s < 100)).repeat_interleave(G, 0)[None, None]
+    for bm, dense in ((compressed_block_mask(T, Tc, cfg, "cpu", (128, 16), G), cmp_dense),
+                      (window_block_mask(T, 100, "cpu", (64, 64), G), win_dense)):
+        assert bm.seq_lengths == (T * G, dense.shape[-1])
+        check_block_mask(bm, dense)
+        assert torch.equal(create_mask(bm.mask_mod, None, None, T * G, dense.shape[-1], "cpu"), dense)
+
+
 @pytest.mark.parametrize("T,window", [(1, 4), (300, 128), (1000, 512), (513, 100)])
 def test_window_block_mask(T, window):
     t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -307,12 +322,12 @@ def test_documents_block_masks():
     local_c = torch.arange(Tc) - docs.c_start
     cmp_dense = (docs.q_doc[:, None] == docs.c_doc[None, :]) & (
         local_c[None, :] * cfg.cmp_stride + cfg.cmp_block - 1 <= local_t[:, None])
-    bm = compressed_block_mask(T, Tc, cfg, "cpu", (64, 16), docs)
+    bm = compressed_block_mask(T, Tc, cfg, "cpu", (64, 16), docs=docs)
     assert torch.equal(create_mask(bm.mask_mod, None, None, T, Tc, "cpu")[0, 0], cmp_dense)
     check_block_mask(bm, cmp_dense[None, None], exact=False)
     t = torch.arange(T)
     win_dense = same_doc & (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < cfg.window)
-    bm = window_block_mask(T, cfg.window, "cpu", (64, 64), docs)
+    bm = window_block_mask(T, cfg.window, "cpu", (64, 64), docs=docs)
     assert torch.equal(create_mask(bm.mask_mod, None, None, T, T, "cpu")[0, 0], win_dense)
     check_block_mask(bm, win_dense[None, None], exact=False)
     # Selection: document-local block ids, as the reference picks them per document.
@@ -325,3 +340,27 @@ def test_documents_block_masks():
     folded = dense.repeat_interleave(G, dim=2)
     assert torch.equal(create_mask(bm.mask_mod, 1, Hkv, T * G, T, "cpu"), folded)
     check_block_mask(bm, folded, exact=False)
+
+
+def test_sel_block_must_suit_the_gpu_kernel():
+    from nsa_flex.tuning import branch_kernel_options
+
+    with pytest.raises(ValueError, match="sel_block=48: impl='flex' on CUDA needs a power of two >= 16"):
+        branch_kernel_options("sel", 128, torch.bfloat16, q_block=16, kv_block=48)
+    opts = branch_kernel_options("sel", 128, torch.bfloat16, q_block=16, kv_block=64)
+    assert 64 % opts["fwd_BLOCK_N"] == 0 and 16 % opts["fwd_BLOCK_M"] == 0 and opts["bwd_BLOCK_M1"] == 16
+
+
+def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
+    """Process-global and idempotent; restored after the test."""
+    import torch._inductor.config as inductor_config
+
+    from nsa_flex import tuning
+    from nsa_flex._inductor_choices import NSAFlexChoices
+
+    monkeypatch.setattr(tuning, "_INSTALLED", False)
+    monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
+    tuning.install_flex_tuning()
+    tuning.install_flex_tuning()
+    assert tuning.is_installed() and inductor_config.inductor_choices_class is NSAFlexChoices
+    assert NSAFlexChoices().uuid()
