@@ -69,8 +69,7 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     tiles: BlockMask block sizes (speed knobs, see FlexTiles).
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
-    B, T, Hq, _ = q.shape
-    Tc, Hkv = k_cmp.shape[1], k.shape[2]
+    T, Tc, Hkv = q.shape[1], k_cmp.shape[1], k.shape[2]
     scale = q.shape[-1] ** -0.5
     docs = cu_cmp = None
     if cu_seqlens is not None:
