@@ -205,7 +205,9 @@ if HAS_TRITON:
             visible = row_ok[:, None] & c_ok[None, :] & (
                 c[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= row_tloc[:, None]
             )
-            p = tl.where(visible, tl.exp(s * scale - lse_r[:, None]), 0.0)
+            # Inductor may hand a float scalar in as fp64; keep the loop-carried tiles fp32.
+            s_scaled = (s * scale).to(tl.float32)
+            p = tl.where(visible, tl.exp(s_scaled - lse_r[:, None]), 0.0)
             # [BT*GP, BC] -> group sum [BT, BC] -> [BT, BS, RP] -> weighted per selection block
             p_tc = tl.sum(tl.reshape(p, [BT, GP, BC]), axis=1)
             p_tsr = tl.reshape(p_tc, [BT, BS, RP])
