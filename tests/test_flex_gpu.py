@@ -64,7 +64,7 @@ CASES = [
     pytest.param(4, 2, 192, 128, 333, 2, BF16, 4, 128, id="G4-Dk192-Dv128-T333-B2-bf16"),
     pytest.param(2, 2, 64, 32, 130, 1, FP16, 3, 64, id="G2-Dk64-Dv32-T130-fp16"),
     pytest.param(8, 1, 64, 64, 200, 1, FP32, 4, 128, id="G8-D64-T200-fp32"),
-    pytest.param(1, 2, 128, 64, 77, 1, BF16, 2, 32, id="G1-Dk128-Dv64-T77-bf16"),
+    pytest.param(1, 2, 128, 64, 77, 1, BF16, 3, 32, id="G1-Dk128-Dv64-T77-bf16"),
 ]
 
 

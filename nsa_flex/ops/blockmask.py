@@ -9,7 +9,8 @@ tiles). `transpose_blocks` here does it with one sort of the B*H*Q_blocks*W list
 and a scatter: O(T*n) work for the selected branch.
 
 What the Triton kernels need (torch/_inductor/kernel/flex/templates, 2.11-2.13): each list
-is read through its tensor's strides, only its first `num_blocks` entries are read, and
+is read through its tensor's leading strides with the last dim taken as contiguous (so
+make_block_mask makes every list contiguous), only its first `num_blocks` entries are read, and
 nothing ties the width (last dim) to the number of blocks on the other side. So the kv-side
 lists may be as narrow as the most blocks one query tile visits (n for the selected branch
 at one token per tile), and the q-side lists as narrow as the most query tiles one kv block
@@ -33,7 +34,12 @@ def make_block_mask(seq_lengths, kv, full_kv, q, full_q, block_size, mask_mod) -
     """The BlockMask constructor with all 11 arguments, in the order both torch 2.11 and 2.13 take.
 
     kv, full_kv, q, full_q are (num_blocks, indices) pairs; the full ones may be (None, None).
+    Every index tensor is made contiguous: Flex's kernels step through a list assuming its
+    last dim has stride 1, and a transposed view there gave wrong dK/dV on an H200 with no error
+    (bench/results/2026-11-22_h200_debug_window_bwd.json).
     """
+    kv, full_kv, q, full_q = (tuple(None if x is None else x.contiguous() for x in pair)
+                              for pair in (kv, full_kv, q, full_q))
     return BlockMask(seq_lengths, kv[0], kv[1], full_kv[0], full_kv[1], q[0], q[1], full_q[0], full_q[1],
                      block_size, mask_mod)
 
