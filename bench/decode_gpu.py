@@ -17,8 +17,6 @@ check failed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 import time
@@ -26,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from nsa_flex.bench.core import Row, add_speedups, describe_error
-from nsa_flex.bench.decode import BASELINE_ORDER, decode_config, decode_notes, decode_summary, run_decode
-from nsa_flex.bench.report import default_stem, markdown, plot, write_report
+from nsa_flex.bench.core import describe_error
+from nsa_flex.bench.decode import decode_config, decode_notes, decode_summary, run_decode
+from nsa_flex.bench.report import default_stem, merge_reports, write_report
 
 
 def main() -> int:
@@ -70,22 +68,10 @@ def main() -> int:
 
 
 def merge(paths: list[str], out: Path, name: str | None) -> int:
-    """One report (JSON + Markdown + PNG) from the JSON files of several runs on one device,
-    e.g. a sweep split over several commands; the header is the first file's."""
-    reports = [json.loads(Path(p).read_text()) for p in paths]
-    rows = [Row(**r) for report in reports for r in report["rows"]]
-    add_speedups(rows, BASELINE_ORDER)
-    header = dict(reports[0]["header"], notes=reports[0]["header"]["notes"] + [f"merged from {', '.join(paths)}"])
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / (name or Path(paths[0]).stem + "_merged")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"schema": reports[0]["schema"], "header": header, "rows": [dataclasses.asdict(r) for r in rows]},
-        indent=2) + "\n")
-    md = markdown(header, rows)
-    stem.with_suffix(".md").write_text(md + "\n")
-    png = plot(header, rows, stem.with_suffix(".png"))
+    """One report (JSON + Markdown + PNG) from the JSON files of several runs on one device."""
+    found, md = merge_reports([Path(p) for p in paths], out, name or Path(paths[0]).stem + "_merged")
     print(md)
-    print(f"wrote {stem}.json, {stem}.md" + (f", {png}" if png else ""))
+    print("\n".join(f"wrote {kind}: {path}" for kind, path in found.items() if path))
     return 0
 
 

@@ -33,6 +33,24 @@ def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row
     return paths, md
 
 
+def merge_reports(paths: list[Path], out_dir: Path, stem: str) -> tuple[dict[str, Path | None], str]:
+    """One report from the JSON files of several runs of one suite on one device (e.g. a sweep
+    split over several commands): the first file's header, every file's rows in order."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [Row(**r) for report in reports for r in report["rows"]]
+    first = reports[0]["header"]
+    header = dict(first, notes=first["notes"] + [f"merged from {', '.join(Path(p).name for p in paths)}"])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths_out: dict[str, Path | None] = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
+    paths_out["json"].write_text(json.dumps({"schema": reports[0]["schema"], "header": header,
+                                             "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    md = markdown(header, rows)
+    paths_out["md"].write_text(md + "\n")
+    paths_out["png"] = plot(header, rows, out_dir / f"{stem}.png")
+    return paths_out, md
+
+
 def default_stem(suite: str, device: str) -> str:
     """e.g. 2026-11-22_nvidia-h200_attention."""
     name = environment(device)["device"] if device == "cuda" else "cpu"
@@ -54,7 +72,11 @@ def markdown(header: dict[str, Any], rows: list[Row]) -> str:
     ]
     lines += [_md_row(r) for r in rows]
     lines += ["", "Checks (before timing):"]
-    checks = {r.impl: r.check for r in rows if r.check}
+    checks: dict[str, str] = {}
+    for r in rows:
+        # A merged report holds one real check per impl and "not checked" rows from the other runs.
+        if r.check and (r.impl not in checks or checks[r.impl].startswith("not checked")):
+            checks[r.impl] = r.check
     lines += [f"- {impl}: {text}" for impl, text in checks.items()]
     lines += ["", "Notes:"] + [f"- {note}" for note in header["notes"]]
     return "\n".join(lines)
