@@ -1,6 +1,6 @@
 """Checkpoints: atomic files with everything a run needs to continue exactly.
 
-A checkpoint is one file `out_dir/checkpoints/step_XXXXXXXX.pt` holding the model, the
+A checkpoint is one file `out_dir/checkpoints/step_<8-digit step>.pt` holding the model, the
 optimizer, the LR scheduler, the GradScaler (fp16), the data position, the RNG states, the
 non-finite counters and the config. It is written to a temporary file in the same folder,
 fsync'ed, and renamed over the final name, so a run killed at any moment leaves either the
