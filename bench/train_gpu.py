@@ -38,14 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from nsa_flex.bench.model import ANCHOR_DENSE_TOKENS_PER_S, CUDA_SHAPES, train_settings  # noqa: E402
 from nsa_flex.memory import GIB, estimate  # noqa: E402
 from nsa_flex.train import train  # noqa: E402
 from nsa_flex.training.config import build_config  # noqa: E402
 from nsa_flex.training.metrics import read_metrics, versions  # noqa: E402
 
-SHAPES = ((2048, 16), (8192, 4), (32768, 1))
-# ANCHORS.md, "Whole-model training, dense attention": tokens/s of a compiled dense 123M GPT on one H200.
-ANCHOR_DENSE_TOKENS_PER_S = {2048: 567_624, 8192: 368_427, 32768: 158_170}
+# Issue 4's (T, B); they and ANCHORS.md's dense tokens/s are shared with `nsa-flex bench model`.
+SHAPES = CUDA_SHAPES
 
 
 @dataclass
@@ -89,12 +89,11 @@ class CurveRow:
 
 def settings(attention: str, seq_len: int, batch: int, steps: int, out_dir: Path, data: str = "kv",
              **extra) -> dict:
-    """Flags for build_config: seeds-125m on a synthetic task, compiled, bf16, no checkpoints."""
-    model = {"attention": attention, "impl": "flex", "max_seq_len": max(2048, seq_len)}
-    return {"preset": "seeds-125m", "model": model, "seq_len": seq_len, "batch_size": batch, "steps": steps,
-            "data": data, "device": "cuda", "compile": "on", "precision": "bf16", "out_dir": str(out_dir),
-            "resume": "none", "save_checkpoints": False, "tensorboard": False, "log_every": 10,
-            "first_step_timeout": 1800.0, **extra}
+    """Flags for build_config: seeds-125m on a synthetic task, compiled, bf16, no checkpoints
+    (the benchmark-run flags of nsa_flex.bench.model, with impl flex)."""
+    flags = train_settings("seeds-125m", attention, seq_len, batch, steps, out_dir)
+    flags["model"]["impl"] = "flex"
+    return {**flags, "data": data, "device": "cuda", "compile": "on", "precision": "bf16", "log_every": 10, **extra}
 
 
 class Printer:

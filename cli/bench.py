@@ -153,3 +153,49 @@ def decode(
         typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
     typer.echo("")
     typer.echo(md)
+
+
+@app.command()
+def model(
+    seq_lens: Optional[str] = typer.Option(None, "--seq-lens", "-T", help=(
+        "Sequence lengths, comma-separated, k = 1024. Default: 2k,8k,32k on CUDA; 128,256 on CPU.")),
+    batches: Optional[str] = typer.Option(None, "--batches", "--batch", "-B", help=(
+        "Sequences per step: one per sequence length, or one for all. Default: 16,4,1 at 2k,8k,32k on CUDA; "
+        "otherwise 32768 (CUDA) or 1024 (CPU) tokens per step, at least 1 sequence.")),
+    preset: Optional[str] = typer.Option(None, help="Model preset: seeds-125m (default on CUDA) or tiny (CPU)."),
+    attentions: Optional[str] = typer.Option(None, help="Attentions, comma-separated: nsa, dense (default both)."),
+    steps: Optional[int] = typer.Option(None, help="Timed training steps, median reported (default 10 CUDA, 3 CPU)."),
+    warmup: Optional[int] = typer.Option(None, help="Untimed steps first, the compiling one included (3 CUDA, 2 CPU)."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when torch sees one)."),
+    dtype: Optional[str] = typer.Option(None, help=(
+        "Autocast precision: bf16, fp16 or fp32 (default bf16 on CUDA, fp32 on CPU).")),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=(
+        "Compile each block, as `nsa-flex train` does (default on CUDA).")),
+    seed: int = typer.Option(0, help="Seed of the model initialisation and the data."),
+    out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
+    name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_model)."),
+    git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+) -> None:
+    """Whole-model training steps: tokens/s and peak memory of the NSA LM against the same LM with dense attention."""
+    from nsa_flex.bench import default_stem, run_suite, write_report
+    from nsa_flex.bench.model import model_config, model_notes, model_summary
+
+    try:
+        cfg = model_config(device=device, preset=preset, dtype=dtype, steps=steps, warmup=warmup, compile=compile,
+                           seed=seed, seq_lens=parse_ints(seq_lens, "--seq-lens") if seq_lens else None,
+                           batches=parse_ints(batches, "--batches") if batches else None,
+                           attentions=parse_names(attentions) if attentions is not None else None)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if cfg.device == "cpu":
+        typer.echo("No CUDA device (or --device cpu): a tiny CPU sweep that checks everything runs; "
+                   "its times are no performance figure. GPU figures need CUDA.")
+    typer.echo(f"bench model: {model_summary(cfg)}; (T, B)={list(cfg.shapes)}; attentions={', '.join(cfg.attentions)}")
+    rows = run_suite("model", cfg,
+                     progress=lambda done, total, what: typer.echo(f"  [{done}/{total}] {what}", err=True))
+    paths, md = write_report(out_dir, name or default_stem("model", cfg.device), suite="model", config=cfg,
+                             rows=rows, summary=model_summary(cfg), notes=model_notes(cfg), commit=git_commit)
+    for kind, path in paths.items():
+        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    typer.echo("")
+    typer.echo(md)

@@ -1,7 +1,7 @@
 """nsa-flex benchmarks: suites of timed rows, written as JSON, Markdown and PNG.
 
-Suites registered: attention (op level). Decode and whole-model suites plug into the same
-registry (`register_suite`) and writers once the code they time exists.
+Suites: attention (op level), decode (one layer's decode step), model (training steps of the
+language model, NSA vs dense). Each registers itself with `register_suite` and shares the writers.
 """
 
 from nsa_flex.bench.attention import IMPLS, AttentionBenchConfig, attention_config, attention_notes, attention_summary
