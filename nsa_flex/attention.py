@@ -117,8 +117,12 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(Hq * Dv, dim, bias=bias)
         nn.init.normal_(self.wo.weight, std=0.02 / math.sqrt(2))
 
-    def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
-                return_indices: bool = False):
+    def project(self, x_btc: torch.Tensor, rotary=None):
+        """x [B,T,dim] -> (q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win), heads split.
+
+        k_cmp_in / v_cmp_in are phi's inputs (never rotated); `rotary(q, k) -> (q, k)` is applied
+        to the queries and the selected/window keys. The decode path calls this too.
+        """
         cfg = self.config
         B, T, _ = x_btc.shape
         q = self.wq(x_btc).view(B, T, cfg.n_heads, cfg.head_dim)
@@ -127,13 +131,20 @@ class NSAAttention(nn.Module):
         # Branch order of the projections: cmp, sel, win (all the same one when shared).
         k_c, k_s, k_w = (ks * 3)[:3] if len(ks) == 1 else ks
         v_c, v_s, v_w = (vs * 3)[:3] if len(vs) == 1 else vs
-        k_cmp = self.compress_k(k_c, cu_seqlens)
-        v_cmp = self.compress_v(v_c, cu_seqlens)
-        separate = len(ks) > 1
         if rotary is not None:
             q_rot, k_s = rotary(q, k_s)
-            k_w = rotary(q, k_w)[1] if separate else k_s
+            k_w = rotary(q, k_w)[1] if len(ks) > 1 else k_s
             q = q_rot
+        return q, k_c, v_c, k_s, v_s, k_w, v_w
+
+    def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
+                return_indices: bool = False):
+        cfg = self.config
+        B, T, _ = x_btc.shape
+        q, k_c, v_c, k_s, v_s, k_w, v_w = self.project(x_btc, rotary)
+        k_cmp = self.compress_k(k_c, cu_seqlens)
+        v_cmp = self.compress_v(v_c, cu_seqlens)
+        separate = cfg.separate_kv
         out = nsa_attention(
             q, k_s, v_s, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=self.impl,
             return_indices=return_indices, cu_seqlens=cu_seqlens,

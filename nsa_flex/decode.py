@@ -38,20 +38,9 @@ class Projected(NamedTuple):
 
 
 def project(layer: NSAAttention, x_btc: torch.Tensor, positions_bt: torch.Tensor, rotary: Rotary | None) -> Projected:
-    """NSAAttention.forward's projections, with RoPE at explicit positions [B, T]."""
-    cfg = layer.config
-    B, T, _ = x_btc.shape
-    q = layer.wq(x_btc).view(B, T, cfg.n_heads, cfg.head_dim)
-    ks = [w(x_btc).view(B, T, cfg.n_kv_heads, cfg.head_dim) for w in layer.wk]
-    vs = [w(x_btc).view(B, T, cfg.n_kv_heads, cfg.dv) for w in layer.wv]
-    # Branch order: cmp, sel, win (one shared projection unless separate_kv).
-    k_c, k_s, k_w = (ks * 3)[:3] if len(ks) == 1 else ks
-    v_c, v_s, v_w = (vs * 3)[:3] if len(vs) == 1 else vs
-    if rotary is not None:
-        q_rot, k_s = rotary(q, k_s, positions_bt)
-        k_w = rotary(q, k_w, positions_bt)[1] if len(ks) > 1 else k_s
-        q = q_rot
-    return Projected(q, k_c, v_c, k_s, v_s, k_w, v_w)
+    """NSAAttention's projections, with RoPE at explicit positions [B, T]."""
+    at_positions = None if rotary is None else (lambda q, k: rotary(q, k, positions_bt))
+    return Projected(*layer.project(x_btc, at_positions))
 
 
 @torch.no_grad()
