@@ -140,6 +140,8 @@ class NSAAttention(nn.Module):
     def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
                 return_indices: bool = False):
         cfg = self.config
+        if x_btc.dim() != 3 or x_btc.shape[-1] != self.dim:
+            raise ValueError(f"NSAAttention input has shape {tuple(x_btc.shape)}; expected [B, T, dim={self.dim}]")
         B, T, _ = x_btc.shape
         q, k_c, v_c, k_s, v_s, k_w, v_w = self.project(x_btc, rotary)
         k_cmp = self.compress_k(k_c, cu_seqlens)

@@ -191,3 +191,10 @@ def test_identity_rotary_changes_nothing():
     torch.testing.assert_close(module(x, rotary=lambda q, k: (q, k)), module(x), rtol=0, atol=0)
     # A rotary that changes keys changes the output (it is applied at all).
     assert not torch.allclose(module(x, rotary=lambda q, k: (q, -k)), module(x))
+
+
+@pytest.mark.parametrize("shape", [pytest.param((2, 5, 7), id="wrong-dim"), pytest.param((5, 16), id="rank-2")])
+def test_module_rejects_wrong_input_shape(shape):
+    layer = NSAAttention(NSAConfig(n_heads=2, n_kv_heads=1, head_dim=8, n_selected=3, window=16), 16)
+    with pytest.raises(ValueError, match=r"expected \[B, T, dim=16\]"):
+        layer(torch.randn(*shape))
