@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flex_gpu import bench_ms, inputs, peak_gib  # noqa: E402
 
 from nsa_flex import NSAConfig  # noqa: E402
-from nsa_flex.flex import (compressed_branch, fold, nsa_flex, selected_branch, unfold,  # noqa: E402
-                           window_branch)
+from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
 from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask  # noqa: E402
 from nsa_flex.masks.compressed import compressed_mask_mod  # noqa: E402
 from nsa_flex.ops import select_blocks  # noqa: E402
@@ -90,34 +89,33 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
     leaves = [q_fold, k, v, kc, vc]
     rec("cmp branch (mask + flex)", lambda: compressed_branch(q_fold, kc, vc, cfg, scale, tiles)[0], do_fold,
         [q_fold, kc, vc])
-    rec("sel branch (mask + flex)", lambda: selected_branch(q_fold, k, v, sel, cfg, scale, tiles), do_fold,
+    rec("sel branch (mask + flex), one call", lambda: selected_branch(q_fold, k, v, sel, cfg, scale, tiles), do_fold,
         [q_fold, k, v])
+    rec("sel branch (masks + flex), initial blocks split", lambda: selected_branch(
+        q_fold, k, v, sel, cfg, scale, tiles, forced_initial=True), do_fold, [q_fold, k, v])
+    rec("cmp branch (mask + flex), rows not chunked", lambda: compressed_branch(
+        q_fold, kc, vc, cfg, scale, FlexTiles(max_chunks=1))[0], do_fold, [q_fold, kc, vc])
     rec("win branch (mask + flex)", lambda: window_branch(q_fold, k, v, cfg, scale, tiles), do_fold,
         [q_fold, k, v])
     with torch.no_grad():
         sel_mask = selection_block_mask(sel, T, G, cfg, tiles.sel_q_block)
         win_mask = window_block_mask(T, cfg.window, q.device, tiles.win_block, G)
-        cmp_mask = compressed_block_mask(T, kc.shape[1], cfg, q.device, tiles.cmp_block, G)
     from nsa_flex import flex as F
 
     def call(fn, kk, vv, mask, branch):
         return F._call(fn, q_fold, kk, vv, mask, scale, branch)
 
     kT, vT, kcT, vcT = k.transpose(1, 2), v.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-    rec("cmp flex only", lambda: call(F._flex_cmp, kcT, vcT, cmp_mask, "cmp")[0], do_fold, [q_fold, kc, vc])
     rec("sel flex only", lambda: call(F._flex_sel, kT, vT, sel_mask, "sel"), do_fold, [q_fold, k, v])
     rec("win flex only", lambda: call(F._flex_win, kT, vT, win_mask, "win"), do_fold, [q_fold, k, v])
     o3 = [torch.randn_like(q_fold[..., :cfg.dv]).requires_grad_(True) for _ in range(3)]
 
     def combine():
-        acc = torch.float32
-        g = gates.to(acc)
-        o = sum(g[..., i:i + 1] * unfold(o3[i], T).to(acc) for i in range(3))
-        return o.to(q.dtype)
+        return F.gated_sum(o3[0], [(o3[1], None)], o3[2], gates, T)
 
     do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=q.dtype)
     rec("gated sum (eager)", combine, do, o3 + [gates])
-    rec("gated sum (compiled)", torch.compile(combine), do, o3 + [gates])
+    rec("gated sum (compiled)", lambda: F._COMPILED_SUM(o3[0], [(o3[1], None)], o3[2], gates, T), do, o3 + [gates])
     rec("whole op (eager, flex calls compiled)", lambda: nsa_flex(**x, config=cfg)[0], do, list(x.values()))
     del leaves
     from torch.nn.attention import SDPBackend, sdpa_kernel

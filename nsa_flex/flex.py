@@ -25,14 +25,15 @@ from torch.nn.attention.flex_attention import AuxRequest, create_mask, flex_atte
 from nsa_flex import tuning
 from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
-from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
+from nsa_flex.masks import compressed_block_mask, initial_block_mask, selection_block_mask, window_block_mask
 from nsa_flex.masks.documents import Documents, documents
 from nsa_flex.ops import select_blocks
+from nsa_flex.ops.blockmask import query_chunks
 from nsa_flex.tuning import FlexTiles
 
 
-# One function per branch, each compiled once here: separate code objects give each branch
-# its own Dynamo recompile budget (8 shapes) instead of one shared by all three.
+# One function per Flex call, each compiled once here: separate code objects give each its
+# own Dynamo recompile budget (8 shapes) instead of one shared by all.
 def _flex_cmp(q, k, v, block_mask, scale, kernel_options):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True),
                           kernel_options=kernel_options)
@@ -42,20 +43,38 @@ def _flex_sel(q, k, v, block_mask, scale, kernel_options):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
 
 
+def _flex_sel_lse(q, k, v, block_mask, scale, kernel_options):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True),
+                          kernel_options=kernel_options)
+
+
+def _flex_init(q, k, v, block_mask, scale, kernel_options):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True),
+                          kernel_options=kernel_options)
+
+
 def _flex_win(q, k, v, block_mask, scale, kernel_options):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
 
 
-_COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_flex_cmp, _flex_sel, _flex_win)}
+_COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_flex_cmp, _flex_sel, _flex_sel_lse, _flex_init,
+                                                               _flex_win)}
+_WITH_LSE = (_flex_cmp, _flex_sel_lse, _flex_init)
 
 
 def _call(fn, q, k, v, block_mask, scale, branch: str):
-    """A branch's flex call: compiled with its tiles on CUDA, eager (dense, exact) on CPU."""
+    """A Flex call: compiled with its tiles on CUDA, eager (dense, exact) on CPU.
+
+    Returns o, or (o, lse [B, H, rows] float32) for the calls that need the lse. On CPU the lse
+    comes from a small dense computation: compiled CPU flex cannot return it.
+    """
     if q.is_cuda:
         opts = tuning.branch_kernel_options(branch, q.shape[-1], q.dtype, q_block=block_mask.BLOCK_SIZE[0],
                                             kv_block=block_mask.BLOCK_SIZE[1])
-        return _COMPILED[fn](q, k, v, block_mask, scale, opts)
-    return fn(q, k, v, block_mask, scale, None)
+        out = _COMPILED[fn](q, k, v, block_mask, scale, opts)
+        return (out[0], out[1].lse) if fn in _WITH_LSE else out
+    o = _flex_sel(q, k, v, block_mask, scale, None)
+    return (o, _dense_lse(q, k, block_mask, scale)) if fn in _WITH_LSE else o
 
 
 def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
@@ -66,29 +85,57 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     Returns (o [B,T,Hq,Dv], block_indices [B,Hkv,T,n]): the selection used, from the
     selection op unless given. cu_seqlens [n_docs+1] (B == 1): packed documents, every
     branch and the selection stay inside a document, block ids are document-local.
-    tiles: BlockMask block sizes (speed knobs, see FlexTiles).
+    tiles: BlockMask block sizes and layout choices (speed knobs, see FlexTiles).
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
-    T, Tc, Hkv = q.shape[1], k_cmp.shape[1], k.shape[2]
+    T, Hkv = q.shape[1], k.shape[2]
     scale = q.shape[-1] ** -0.5
     docs = cu_cmp = None
     if cu_seqlens is not None:
         cu_cmp = compressed_seqlens(cu_seqlens, config)
-        docs = documents(cu_seqlens, cu_cmp, T, Tc)
+        docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1])
     q_fold = fold(q, Hkv)
     o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs)
+    # The op's selection always holds the forced initial blocks; a given one may not.
+    forced_initial = block_indices is None
     if block_indices is None:
         block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
                                       cu_seqlens_cmp=cu_cmp)
-    o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs)
+    sel_parts = selected_parts(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial)
     k_win, v_win = (k if k_win is None else k_win), (v if v_win is None else v_win)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
-    # Sum in at least fp32 (fp64 stays fp64); torch.compile fuses it with the unfolding.
-    acc = torch.promote_types(q.dtype, torch.float32)
+    combine = _COMPILED_SUM if q.is_cuda else gated_sum
+    return combine(o_cmp, sel_parts, o_win, gates, T), block_indices
+
+
+def gated_sum(o_cmp, sel_parts, o_win, gates, T: int) -> torch.Tensor:
+    """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in at least fp32 (fp64 stays fp64), unfolded to [B,T,Hq,Dv].
+
+    o_sel comes as parts to merge (see selected_parts). Compiled on CUDA (one fused kernel each
+    way; eager it costs 18 / 40 ms forward / forward+backward at T=64k on an H200).
+    """
+    acc = torch.promote_types(o_cmp.dtype, torch.float32)
     g = gates.to(acc)
-    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * unfold(o_sel, T).to(acc) \
+    o_sel = merge_parts(sel_parts, acc)
+    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * unfold(o_sel, T) \
         + g[..., 2:3] * unfold(o_win, T).to(acc)
-    return o.to(q.dtype), block_indices
+    return o.to(o_cmp.dtype)
+
+
+_COMPILED_SUM = torch.compile(gated_sum, dynamic=False)
+
+
+def merge_parts(parts, acc: torch.dtype) -> torch.Tensor:
+    """One softmax over the union of the parts' keys: [(o, lse)] with o [B,H,R,Dv], lse [B,H,R] -> o (acc).
+
+    A single part without lse is returned as is. Each part's weight is exp(lse_i - lse) with
+    lse = logsumexp_i lse_i; a part that saw no key has lse -inf and weight 0.
+    """
+    if len(parts) == 1 and parts[0][1] is None:
+        return parts[0][0].to(acc)
+    lse = torch.stack([p[1].to(acc) for p in parts]).logsumexp(0)
+    # Every row sees at least one key of some part (the initial blocks), so lse is finite.
+    return sum(o.to(acc) * torch.exp(lse_i.to(acc) - lse)[..., None] for o, lse_i in parts)
 
 
 def fold(x_bthd: torch.Tensor, Hkv: int) -> torch.Tensor:
@@ -104,9 +151,28 @@ def unfold(x_bhrd: torch.Tensor, T: int) -> torch.Tensor:
     return x_bhrd.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hkv * G, D)
 
 
+def chunk_heads(x_bhrd: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[B, H, R, D] -> [B, H*chunks, R/chunks, D]: consecutive row chunks as heads (a view)."""
+    B, H, R, D = x_bhrd.shape
+    return x_bhrd.reshape(B, H * chunks, R // chunks, D)
+
+
+def repeat_heads(kv_bhtd: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[B, H, T, D] -> [B, H*chunks, T, D]: each head's keys once per query chunk (autograd sums back)."""
+    if chunks == 1:
+        return kv_bhtd
+    B, H, T, D = kv_bhtd.shape
+    return kv_bhtd[:, :, None].expand(B, H, chunks, T, D).reshape(B, H * chunks, T, D)
+
+
 def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles,
                       docs: Documents | None = None):
-    """(o [B,Hkv,T*G,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete)."""
+    """(o [B,Hkv,T*G,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete).
+
+    The folded rows go in as up to tiles.max_chunks row chunks (extra heads, see
+    ops.blockmask.query_chunks): the branch has few kv blocks, and its backward runs one
+    dK/dV program per (head, kv block).
+    """
     B, Hkv, rows, _ = q_fold.shape
     Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
     G = config.group_size
@@ -115,26 +181,48 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
         # No complete compression block anywhere (T < l): the branch is exactly 0.
         return (q_fold.new_zeros(B, Hkv, rows, Dv),
                 q_fold.new_full((B, Hkv * G, T), float("-inf"), dtype=torch.float32))
-    k_bhtd, v_bhtd = k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)
-    mask = compressed_block_mask(T, Tc, config, q_fold.device, tiles.cmp_block, G, docs)
-    if q_fold.is_cuda:
-        o, aux = _call(_flex_cmp, q_fold, k_bhtd, v_bhtd, mask, scale, "cmp")
-        lse = aux.lse
-    else:
-        # Compiled CPU flex cannot return the lse: a call without it, the lse from dense scores.
-        o = _call(_flex_sel, q_fold, k_bhtd, v_bhtd, mask, scale, "cmp")
-        lse = _dense_lse(q_fold, k_bhtd, mask, scale)
-    # [B, Hkv, T*G] -> [B, Hq, T]
+    S = query_chunks(rows, tiles.cmp_block[0], tiles.max_chunks, tiles.min_chunk_rows)
+    mask = compressed_block_mask(T, Tc, config, q_fold.device, tiles.cmp_block, G, docs, chunks=S, heads=Hkv)
+    o, lse = _call(_flex_cmp, chunk_heads(q_fold, S), repeat_heads(k_cmp.transpose(1, 2), S),
+                   repeat_heads(v_cmp.transpose(1, 2), S), mask, scale, "cmp")
+    # [B, Hkv*S, rows/S] -> [B, Hkv, T, G] -> [B, Hq, T]
     lse = lse.float().view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hkv * G, T)
-    return o, lse
+    return o.view(B, Hkv, rows, Dv), lse
+
+
+def selected_parts(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
+                   docs: Documents | None = None, forced_initial: bool = False) -> list:
+    """The selected branch as parts for merge_parts: [(o [B,Hkv,T*G,Dv], lse [B,Hkv,T*G] or None)].
+
+    forced_initial: every token's selection holds the first n_initial blocks (true for the
+    selection op's, not for any given one). Then those blocks, which every query visits, get
+    a call of their own with its rows in chunks (masks/selection.initial_block_mask says
+    why) and the other blocks another; the two merge through their lse. Otherwise one call.
+    """
+    T = k.shape[1]
+    G = q_fold.shape[2] // T
+    kT, vT = k.transpose(1, 2), v.transpose(1, 2)
+    n_keys = min(config.n_initial * config.sel_block, T)
+    if not (forced_initial and tiles.split_initial and docs is None and n_keys > 0):
+        mask = selection_block_mask(block_indices, T, G, config, tiles.sel_q_block, docs)
+        return [(_call(_flex_sel, q_fold, kT, vT, mask, scale, "sel"), None)]
+    B, Hkv, rows, Dk = q_fold.shape
+    rest = torch.where(block_indices < config.n_initial, -1, block_indices)
+    mask = selection_block_mask(rest, T, G, config, tiles.sel_q_block)
+    o_rest, lse_rest = _call(_flex_sel_lse, q_fold, kT, vT, mask, scale, "sel")
+    q_block = 128
+    S = query_chunks(rows, q_block, tiles.max_chunks, tiles.min_chunk_rows) if rows % q_block == 0 else 1
+    init_mask = initial_block_mask(T, n_keys, G, q_fold.device, (q_block, config.sel_block), chunks=S, heads=Hkv)
+    o_init, lse_init = _call(_flex_init, chunk_heads(q_fold, S), repeat_heads(kT[:, :, :n_keys], S),
+                             repeat_heads(vT[:, :, :n_keys], S), init_mask, scale, "init")
+    return [(o_rest, lse_rest), (o_init.view(B, Hkv, rows, -1), lse_init.view(B, Hkv, rows))]
 
 
 def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
-                    docs: Documents | None = None):
-    """o [B,Hkv,T*G,Dv] of the selected blocks."""
-    T = k.shape[1]
-    mask = selection_block_mask(block_indices, T, q_fold.shape[2] // T, config, tiles.sel_q_block, docs)
-    return _call(_flex_sel, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "sel")
+                    docs: Documents | None = None, forced_initial: bool = False):
+    """o [B,Hkv,T*G,Dv] of the selected blocks (the parts of selected_parts merged, q's dtype)."""
+    parts = selected_parts(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial)
+    return merge_parts(parts, torch.promote_types(q_fold.dtype, torch.float32)).to(q_fold.dtype)
 
 
 def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None):
@@ -145,10 +233,11 @@ def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTile
 
 
 def _dense_lse(q_bhrd, k_bhtd, mask, scale: float) -> torch.Tensor:
-    """CPU only: lse [B, Hkv, rows] from the dense scores under the mask's mask_mod (small T only)."""
+    """CPU only: lse [B, H, rows] from the dense scores under the mask's mask_mod (small T only)."""
     dtype = torch.promote_types(q_bhrd.dtype, torch.float32)
     scores = (q_bhrd.to(dtype) @ k_bhtd.to(dtype).transpose(-1, -2)) * scale
-    visible = create_mask(mask.mask_mod, None, None, q_bhrd.shape[2], k_bhtd.shape[2], q_bhrd.device)
+    B, H, rows, _ = q_bhrd.shape
+    visible = create_mask(mask.mask_mod, B, H, rows, k_bhtd.shape[2], q_bhrd.device)
     return scores.masked_fill(~visible, float("-inf")).logsumexp(-1)
 
 

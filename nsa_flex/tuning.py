@@ -36,6 +36,13 @@ class FlexTiles:
     """(folded query rows, key tokens) per block of the window branch."""
     sel_q_block: int = 16
     """Folded query rows per tile of the selected branch (G=16: one token); kv blocks are l'."""
+    max_chunks: int = 16
+    """Most chunks the folded query rows of the compressed branch and of the initial selected
+    blocks are split into, as extra heads (more dK/dV programs: ops.blockmask.query_chunks)."""
+    min_chunk_rows: int = 4096
+    """Fewest folded query rows per chunk."""
+    split_initial: bool = True
+    """Attend to the forced initial blocks in a call of their own (masks.selection.initial_block_mask)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -44,6 +51,10 @@ class FlexTiles:
                 raise ValueError(f"FlexTiles.{name}={value!r}: must be two powers of two >= 16")
         if self.sel_q_block < 16 or self.sel_q_block & (self.sel_q_block - 1):
             raise ValueError(f"FlexTiles.sel_q_block={self.sel_q_block!r}: must be a power of two >= 16")
+        if self.max_chunks < 1 or self.max_chunks & (self.max_chunks - 1):
+            raise ValueError(f"FlexTiles.max_chunks={self.max_chunks!r}: must be a power of two >= 1")
+        if self.min_chunk_rows < 1:
+            raise ValueError(f"FlexTiles.min_chunk_rows={self.min_chunk_rows!r}: must be >= 1")
 
 
 def install_flex_tuning() -> None:
@@ -77,8 +88,9 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
                           kv_block: int = 128) -> dict:
     """kernel_options for one branch's flex call on CUDA: tiles keyed on the qk head dim and dtype.
 
-    branch: "cmp" / "win" (128x128 BlockMask blocks) or "sel" (folded, q_block-row query
-    tiles, l'-token kv blocks). Every tile divides the corresponding BlockMask block size.
+    branch: "cmp" / "win" (128x128 BlockMask blocks), "sel" (folded, q_block-row query
+    tiles, l'-token kv blocks) or "init" (the initial selected blocks: 128-row query tiles,
+    l'-token kv blocks). Every tile divides the corresponding BlockMask block size.
     """
     # One code path for every length: the decode kernel would take queries shorter than 128.
     opts: dict = {"FORCE_USE_FLEX_ATTENTION": True}
@@ -86,13 +98,23 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
     f32 = dtype == torch.float32
     if branch in ("cmp", "win"):
         return opts
-    if branch != "sel":
-        raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel'")
+    if branch not in ("sel", "init"):
+        raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel', 'init'")
     if kv_block < 16 or kv_block & (kv_block - 1):
         raise ValueError(f"NSAConfig.sel_block={kv_block}: impl='flex' on CUDA needs a power of two >= 16 "
                          "(the selected blocks are the kernel's kv blocks); use impl='reference' otherwise")
     block_n = min(kv_block, 32 if (wide or f32) else 64)
     stages = 2 if (wide or f32) else 3
+    if branch == "init":
+        # 128-row query tiles: wider than the selected branch's, still dividing l' for the kv side
+        # (Inductor's sm90 default backward has N1 = 128 > l' = 64, which would leave no config).
+        small = wide or f32
+        opts.update(
+            fwd_BLOCK_M=64, fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,
+            bwd_BLOCK_M1=16 if small else 32, bwd_BLOCK_N1=block_n, bwd_BLOCK_M2=16 if small else 64,
+            bwd_BLOCK_N2=16 if small else block_n, bwd_num_warps=4, bwd_num_stages=stages,
+        )
+        return opts
     opts.update(
         fwd_BLOCK_M=min(q_block, 64), fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,
         # Backward: dK/dV loop (M1 query rows per step over N1 keys), dQ loop (M2 rows, N2 keys);

@@ -364,3 +364,81 @@ def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
     tuning.install_flex_tuning()
     assert tuning.is_installed() and inductor_config.inductor_choices_class is NSAFlexChoices
     assert NSAFlexChoices().uuid()
+
+
+# ---------------------------------------------------------------- row chunks and the initial-blocks split
+
+
+@pytest.mark.parametrize("rows,q_block,max_chunks,min_rows,expected", [
+    (2**20, 128, 16, 4096, 16), (2**20, 128, 64, 4096, 64), (131072, 128, 16, 65536, 2),
+    (1000, 128, 16, 1, 1), (1024, 128, 16, 256, 4), (3 * 1024, 128, 16, 128, 8), (1024, 128, 1, 1, 1),
+])
+def test_query_chunks(rows, q_block, max_chunks, min_rows, expected):
+    from nsa_flex.ops.blockmask import query_chunks
+
+    S = query_chunks(rows, q_block, max_chunks, min_rows)
+    assert S == expected
+    assert S == 1 or (rows % (S * q_block) == 0 and rows // S >= min_rows)
+
+
+@pytest.mark.parametrize("T,G,S", [(256, 4, 4), (512, 2, 8), (128, 16, 16)])
+def test_chunked_compressed_mask(T, G, S):
+    """Rows in S chunks as heads: the same allowed set, chunk c of head h being rows c*R/S.. of kv head h."""
+    cfg = small_config(G, 16, 16)
+    Tc, Hkv, rows = num_cmp_blocks(T, cfg), 3, T * G
+    t, i = torch.arange(T)[:, None], torch.arange(Tc)[None, :]
+    dense = (i * cfg.cmp_stride + cfg.cmp_block - 1 <= t).repeat_interleave(G, 0)  # [rows, Tc]
+    chunked = dense.view(S, rows // S, Tc)[None, None].expand(1, Hkv, S, rows // S, Tc).reshape(1, Hkv * S, rows // S, Tc)
+    bm = compressed_block_mask(T, Tc, cfg, "cpu", (128, 16), G, chunks=S, heads=Hkv)
+    assert bm.seq_lengths == (rows // S, Tc) and bm.kv_indices.shape[1] == Hkv * S
+    check_block_mask(bm, chunked)
+    assert torch.equal(create_mask(bm.mask_mod, 1, Hkv * S, rows // S, Tc, "cpu"), chunked)
+
+
+def test_chunks_must_divide_the_rows():
+    cfg = small_config(4, 16, 16)
+    with pytest.raises(ValueError, match="3 query chunks of 128-row blocks do not divide 800 rows"):
+        compressed_block_mask(200, num_cmp_blocks(200, cfg), cfg, "cpu", (128, 16), 4, chunks=3, heads=1)
+
+
+@pytest.mark.parametrize("T,G,Hkv,B,n_initial", [(256, 4, 2, 2, 1), (384, 16, 1, 1, 2), (300, 4, 2, 2, 1),
+                                                 (40, 16, 1, 1, 1)])
+def test_chunks_and_initial_split_equal_one_call(T, G, Hkv, B, n_initial):
+    """Chunked compressed rows and the initial blocks' own call merged by lse: the plain calls' o and lse."""
+    from nsa_flex.flex import compressed_branch, fold, selected_branch
+
+    cfg = small_config(G, 32, 16, Hkv, n_initial=n_initial, n_local=1)
+    x = random_inputs(cfg, T, B=B, seed=3)
+    _, sel = nsa_reference(**x, config=cfg)
+    q_fold, scale = fold(x["q"], Hkv), 32 ** -0.5
+    plain = FlexTiles(max_chunks=1, split_initial=False)
+    chunked = FlexTiles(max_chunks=16, min_chunk_rows=128)
+    with torch.no_grad():
+        o_a, lse_a = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, plain)
+        o_b, lse_b = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, chunked)
+        s_a = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, plain, forced_initial=True)
+        s_b = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, chunked, forced_initial=True)
+    tol = 1e3 * torch.finfo(torch.float64).eps
+    assert (o_a - o_b).abs().max() <= tol
+    assert torch.equal(lse_a.isinf(), lse_b.isinf())
+    finite = lse_a.isfinite()
+    assert (lse_a[finite] - lse_b[finite]).abs().max() <= tol
+    assert (s_a - s_b).abs().max() <= tol
+    # A mutation check of the test itself: dropping the initial call changes the result.
+    broken = torch.where(sel < n_initial, -1, sel)
+    with torch.no_grad():
+        s_c = selected_branch(q_fold, x["k"], x["v"], broken, cfg, scale, plain)
+    assert (s_a - s_c).abs().max() > 1e-3
+
+
+def test_given_selection_is_not_split():
+    """A caller's selection may lack block 0: the op must then not add the initial blocks."""
+    cfg = small_config(4, 32, 16, 1)
+    T = 256
+    x = random_inputs(cfg, T, seed=5)
+    _, sel = nsa_reference(**x, config=cfg)
+    sel = torch.where(sel == 0, -1, sel)
+    o_ref, _ = nsa_reference(**x, config=cfg, block_indices=sel)
+    with torch.no_grad():
+        o, _ = nsa_flex(**x, config=cfg, block_indices=sel, tiles=FlexTiles(min_chunk_rows=128))
+    assert (o - o_ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps

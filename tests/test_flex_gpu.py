@@ -15,7 +15,7 @@ import torch
 from nsa_flex import NSAConfig
 from nsa_flex.flex import nsa_flex
 from nsa_flex.reference import nsa_reference, nsa_reference_varlen
-from nsa_flex.tuning import install_flex_tuning
+from nsa_flex.tuning import FlexTiles, install_flex_tuning
 from naive import random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,25 @@ def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w)
     do = torch.randn(B, T, G * Hkv, Dv, device="cuda", dtype=dtype)
     o, grads, sel = run(nsa_flex, x, do, config=cfg)
     assert sel.shape == (B, Hkv, T, n)
+    report = errors(x, cfg, do, o, grads, sel)
+    print(f"\n{'':8} {'flex err':>10} {'tolerance':>10}")
+    for name, (err, tol) in report.items():
+        print(f"{name:8} {err:10.3e} {tol:10.3e}")
+    bad = {name: v for name, v in report.items() if not v[0] <= v[1]}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("G,Hkv,T,dtype,n_initial,min_rows", [
+    pytest.param(16, 1, 1024, BF16, 1, 512, id="G16-T1024-bf16-16chunks"),
+    pytest.param(4, 2, 768, FP16, 2, 256, id="G4-Hkv2-T768-fp16-init2-8chunks"),
+])
+def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_initial, min_rows):
+    """The compressed branch's rows in chunks (extra heads) and the initial blocks' own call, fwd + bwd."""
+    install_flex_tuning()
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=128, n_selected=8, window=256, n_initial=n_initial)
+    x = cuda_inputs(cfg, T, 1, dtype, seed=T)
+    do = torch.randn(1, T, G * Hkv, 128, device="cuda", dtype=dtype)
+    o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=FlexTiles(min_chunk_rows=min_rows))
     report = errors(x, cfg, do, o, grads, sel)
     print(f"\n{'':8} {'flex err':>10} {'tolerance':>10}")
     for name, (err, tol) in report.items():

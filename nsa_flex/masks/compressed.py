@@ -34,8 +34,11 @@ def compressed_mask_mod(config: NSAConfig, G: int = 1, docs: Documents | None = 
 
 
 def compressed_block_mask(T: int, Tc: int, config: NSAConfig, device, block_size=(128, 128), G: int = 1,
-                          docs: Documents | None = None) -> BlockMask:
-    """BlockMask [1, 1, T*G, Tc] of the compressed branch (folded query rows x compressed tokens)."""
+                          docs: Documents | None = None, *, chunks: int = 1, heads: int = 1) -> BlockMask:
+    """BlockMask [1, 1, T*G, Tc] of the compressed branch (folded query rows x compressed tokens).
+
+    chunks > 1: [1, heads*chunks, T*G/chunks, Tc], the rows split into chunks passed as extra
+    heads (see ops.blockmask.query_chunks)."""
     last_offset, stride = config.cmp_block - 1, config.cmp_stride
 
     def lo(rows):
@@ -47,4 +50,5 @@ def compressed_block_mask(T: int, Tc: int, config: NSAConfig, device, block_size
         # Floor division of a possibly negative numerator: below lo means no complete block yet.
         return lo(rows) + torch.div(local - last_offset, stride, rounding_mode="floor")
 
-    return interval_block_mask(T * G, Tc, lo, hi, block_size, compressed_mask_mod(config, G, docs), device)
+    return interval_block_mask(T * G, Tc, lo, hi, block_size, compressed_mask_mod(config, G, docs), device,
+                               chunks=chunks, heads=heads)

@@ -127,7 +127,7 @@ def _compact(x: torch.Tensor, keep: torch.Tensor, width: int, big: int) -> tuple
 
 
 def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, int], mask_mod,
-                        device) -> BlockMask:
+                        device, *, chunks: int = 1, heads: int = 1) -> BlockMask:
     """BlockMask of a mask where query t sees only keys in [lo(t), hi(t)] (hi < lo: none).
 
     lo and hi map the int64 tensor arange(q_len) to key positions. A kv block is listed for
@@ -136,9 +136,17 @@ def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, 
     else a superset, which mask_mod keeps exact), and full when it lies inside every row's
     interval. Built on the [Q_blocks, KV_blocks] block grid, which is small for the
     patterns that use it (compressed keys; the window with 128-token blocks).
+
+    chunks > 1: the query rows are split into `chunks` consecutive chunks that the caller
+    passes as extra heads, q [B, heads, q_len, D] viewed as [B, heads * chunks, q_len / chunks, D]
+    (head h * chunks + c = rows c * q_len / chunks ...). The mask is then [1, heads * chunks,
+    q_len / chunks, kv_len] and its mask_mod maps a chunk's row back to the full row. See
+    `query_chunks` for why. q_len must be a multiple of chunks * block_size[0].
     """
     qbs, kbs = block_size
     n_q, n_kv = -(-q_len // qbs), max(1, -(-kv_len // kbs))
+    if chunks > 1 and q_len % (chunks * qbs):
+        raise ValueError(f"{chunks} query chunks of {qbs}-row blocks do not divide {q_len} rows")
     t = torch.arange(q_len, device=device, dtype=torch.int64)
     lo_t, hi_t = lo(t), hi(t)
     seeing = hi_t >= lo_t
@@ -157,8 +165,44 @@ def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, 
     touched = (c_hi[None, :] >= union_lo[:, None]) & (c_lo[None, :] <= union_hi[:, None])
     full = (c_lo[None, :] >= inter_lo[:, None]) & (c_hi[None, :] <= inter_hi[:, None]) & (c_hi >= c_lo)[None, :]
     partial = touched & ~full
-    kv = grid_to_ordered(partial[None, None])
-    full_kv = grid_to_ordered(full[None, None])
-    q = grid_to_ordered(partial.T[None, None])
-    full_q = grid_to_ordered(full.T[None, None])
-    return make_block_mask((q_len, kv_len), kv, full_kv, q, full_q, block_size, mask_mod)
+
+    def per_head(grid):  # [n_q, n_kv] -> [1, heads * chunks, n_q / chunks, n_kv]
+        if chunks == 1:
+            return grid[None, None]
+        g = grid.view(1, 1, chunks, n_q // chunks, n_kv).expand(1, heads, chunks, n_q // chunks, n_kv)
+        return g.reshape(1, heads * chunks, n_q // chunks, n_kv)
+
+    partial, full = per_head(partial), per_head(full)
+    kv, full_kv = grid_to_ordered(partial), grid_to_ordered(full)
+    q, full_q = grid_to_ordered(partial.transpose(-1, -2)), grid_to_ordered(full.transpose(-1, -2))
+    if chunks > 1:
+        mask_mod = chunked_mask_mod(mask_mod, chunks, q_len // chunks)
+    return make_block_mask((q_len // chunks, kv_len), kv, full_kv, q, full_q, block_size, mask_mod)
+
+
+def chunked_mask_mod(mask_mod, chunks: int, chunk_rows: int):
+    """mask_mod over (head h * chunks + c, row r of chunk c) from one over the full rows c * chunk_rows + r."""
+
+    def chunk_mask(b, h, q_idx, kv_idx):
+        return mask_mod(b, h // chunks, (h % chunks) * chunk_rows + q_idx, kv_idx)
+
+    return chunk_mask
+
+
+def query_chunks(rows: int, q_block: int, max_chunks: int, min_rows: int) -> int:
+    """How many chunks to split `rows` folded query rows into for a branch with few kv blocks.
+
+    FlexAttention's backward computes dK/dV with one program per (head, kv block) that walks
+    every query row of its head. The compressed branch has T/16 keys, so at T=64k that is
+    32 blocks x 4 kv heads = 128 long programs for 132 SMs; passing the rows as `chunks`
+    extra heads (keys copied per chunk: T/16 of them, cheap) gives chunks times more,
+    shorter programs, and autograd sums the copies' gradients. On an H200 at T=64k, G=16
+    the compressed branch's forward+backward went from 67.1 to 46.4 ms with 16 chunks
+    (bench/results/2026-11-22_h200_profile_variants_T65536.json). The largest power of two
+    <= max_chunks that divides rows into whole q_block tiles of at least min_rows rows each.
+    """
+    chunks = 1
+    while (chunks * 2 <= max_chunks and rows % (chunks * 2 * q_block) == 0
+           and rows // (chunks * 2) >= min_rows):
+        chunks *= 2
+    return chunks
