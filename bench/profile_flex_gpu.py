@@ -117,6 +117,19 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
     rec("gated sum (eager)", combine, do, o3 + [gates])
     rec("gated sum (compiled)", lambda: F._COMPILED_SUM(o3[0], [(o3[1], None)], o3[2], gates, T), do, o3 + [gates])
     rec("whole op (eager, flex calls compiled)", lambda: nsa_flex(**x, config=cfg)[0], do, list(x.values()))
+    rec("whole op (eager), initial blocks not split",
+        lambda: nsa_flex(**x, config=cfg, tiles=FlexTiles(split_initial=False))[0], do, list(x.values()))
+    rec("whole op (eager), cmp rows not chunked",
+        lambda: nsa_flex(**x, config=cfg, tiles=FlexTiles(max_chunks=1))[0], do, list(x.values()))
+    whole = torch.compile(lambda **x: nsa_flex(**x, config=cfg)[0], fullgraph=True, dynamic=False)
+    t0 = time.monotonic()
+    try:
+        whole(**x).backward(do)
+        torch.cuda.synchronize()
+        res["whole op compile (fullgraph) s"] = round(time.monotonic() - t0, 1)
+    except Exception as e:
+        res["whole op compile (fullgraph) s"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    rec("whole op (torch.compile fullgraph)", lambda: whole(**x), do, list(x.values()))
     del leaves
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
