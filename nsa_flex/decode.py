@@ -2,9 +2,10 @@
 
 `prefill` runs the layer's training path (its `impl`) over the right-padded prompts and fills
 the cache in one go. `decode_step` takes one new token per sequence: it writes the token's
-keys/values, compresses a new block where one just completed, and runs the three branches
-for the one query with batched tensor ops only (static shapes, positions as tensors, no
-host synchronisation), so `torch.compile(mode="reduce-overhead")` makes it one CUDA graph.
+keys/values, compresses a new block where one just completed (batched tensor ops), and runs
+the three branches for the one query through the op nsa_flex::decode_attend (fused Triton
+kernels on CUDA, nsa_flex/ops/decode_attend.py); static shapes, positions as tensors, no host
+synchronisation, so `torch.compile(mode="reduce-overhead")` makes it one CUDA graph.
 
 `rotary`, if given, is a callable (q [B,T,H,D], k [B,T,Hkv,D], positions [B,T]) -> (q, k):
 RoPE at explicit positions, since the sequences of a decode batch sit at different ones.
@@ -16,11 +17,12 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from torch.nn import functional as F
 
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.cache import NSACache
-from nsa_flex.config import NSAConfig
+from nsa_flex.ops import decode_attend, decode_attend_torch
+# Re-exported: the selection rule of one decode query, now the op's torch twin.
+from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -113,12 +115,15 @@ def decode_step(layer: NSAAttention, cache: NSACache, x_b1c: torch.Tensor, *, ro
 
 
 @torch.no_grad()
-def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, phi_k, phi_v):
+def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, phi_k, phi_v, *, impl: str = "op"):
     """The NSA op for one query per sequence at positions cache.lengths, cache update included.
 
     Writes the token's keys/values, compresses a block where one completes, runs the three
     branches and the gates, advances cache.lengths. pr holds [B,1,...] projections, gates
     [B,1,Hq,3] (after the sigmoid). Returns (o [B,1,Hq,Dv] in q's dtype, selection [B,Hkv,n]).
+
+    impl: "op", the registered op nsa_flex::decode_attend (fused Triton kernels on CUDA, its
+    torch twin elsewhere); "torch", the twin inline, for Inductor to compile (the pre-op path).
     """
     cfg = cache.config
     B, Hkv, G = pr.q.shape[0], cfg.n_kv_heads, cfg.group_size
@@ -126,13 +131,17 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     _write_token(cache, pr, pos_b)
     _update_compressed(cache, pos_b, phi_k, phi_v)
     # Query head h belongs to kv head h // G: [B,1,Hq,Dk] -> [B,Hkv,G,Dk].
-    q_bhgd = pr.q.reshape(B, Hkv, G, cfg.head_dim)
-    g = gates_b1h3.reshape(B, Hkv, G, 3).to(torch.promote_types(gates_b1h3.dtype, torch.float32))
-    o_cmp, p_cmp = _cmp_attention(q_bhgd, cache, pos_b)
-    blocks_bhn = select_blocks_one(p_cmp, pos_b, cfg, cache.num_sel)
-    o = g[..., 0:1] * o_cmp + _sel_win_attention(q_bhgd, cache, blocks_bhn, pos_b, g[..., 1:2], g[..., 2:3])
+    args = (pr.q.reshape(B, Hkv, G, cfg.head_dim), cache.k, cache.v, cache.k_win, cache.v_win, cache.k_cmp,
+            cache.v_cmp, pos_b, gates_b1h3.reshape(B, Hkv, G, 3))
+    match impl:
+        case "op":
+            o_bhgd, blocks_bhn = decode_attend(*args, cfg)
+        case "torch":
+            o_bhgd, blocks_bhn = decode_attend_torch(*args, cfg)
+        case _:
+            raise ValueError(f"unknown decode impl {impl!r}; allowed: 'op', 'torch'")
     cache.lengths.add_(1)
-    return o.to(pr.q.dtype).reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
+    return o_bhgd.reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
 
 
 def _write_token(cache: NSACache, pr: Projected, pos_b: torch.Tensor) -> None:
@@ -164,105 +173,6 @@ def _update_compressed(cache: NSACache, pos_b: torch.Tensor, phi_k, phi_v) -> No
         block_blhd = tail[b[:, None], :, slots_bl].to(next(phi.parameters()).dtype)
         new_bhd = phi(block_blhd)[:, 0].to(cmp.dtype)
         cmp[b, :, entry_b] = torch.where(write_b[:, None, None], new_bhd, cmp[b, :, entry_b])
-
-
-def _matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] with fp32 (or wider) results.
-
-    bf16/fp16 on CUDA: one cuBLAS bmm with fp32 output (no upcast copy of the cache);
-    elsewhere the inputs are upcast.
-    """
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
-        return out.view(*a.shape[:-2], *out.shape[-2:])
-    dtype = torch.promote_types(a.dtype, torch.float32)
-    return a.to(dtype) @ b.to(dtype)
-
-
-def _softmax(s_bhgs: torch.Tensor, valid_bhs: torch.Tensor) -> torch.Tensor:
-    """Softmax over the valid keys (valid broadcasts to [B,Hkv,S]); a row with none gives 0, never NaN."""
-    s = s_bhgs.masked_fill(~valid_bhs[:, :, None, :], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-    den = e.sum(-1, keepdim=True)
-    return e / torch.where(den > 0, den, torch.ones_like(den))
-
-
-def _cmp_attention(q_bhgd, cache: NSACache, pos_b) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compressed branch over the whole compressed cache, entry i visible iff i*d + l - 1 <= pos:
-    (o [B,Hkv,G,Dv], p [B,Hkv,G,Tc]). Scores and softmax in fp32; p is rounded to the cache's
-    dtype for the second matmul, as flash does."""
-    cfg = cache.config
-    last_c = torch.arange(cache.max_cmp, device=pos_b.device) * cfg.cmp_stride + cfg.cmp_block - 1
-    valid_b1c = (last_c[None, :] <= pos_b[:, None])[:, None, :]
-    p = _softmax(_matmul_f32(q_bhgd, cache.k_cmp.transpose(-1, -2)) * cfg.head_dim ** -0.5, valid_b1c)
-    return _matmul_f32(p.to(cache.v_cmp.dtype), cache.v_cmp), p
-
-
-def fold_to_sel_blocks(imp_bhc: torch.Tensor, cfg: NSAConfig, num_sel: int) -> torch.Tensor:
-    """[..., Tc] compression-block scores -> [..., num_sel] selection-block scores.
-
-    Equals `imp @ blocks.cmp_to_sel_weights(Tc, num_sel)` without the [Tc, Ns] matrix: with
-    the sequence cut into chunks of d tokens, compression block i covers chunks i .. i+l/d-1,
-    so chunk c collects blocks c-l/d+1 .. c, and selection block j sums its l'/d chunks.
-    """
-    r, per_sel = cfg.cmp_block // cfg.cmp_stride, cfg.sel_block // cfg.cmp_stride
-    n_chunks, Tc = num_sel * per_sel, imp_bhc.shape[-1]
-    if Tc > n_chunks:
-        raise ValueError(f"{Tc} compression blocks do not fit in {num_sel} selection blocks")
-    padded = F.pad(imp_bhc, (r - 1, n_chunks - Tc))
-    chunks = sum(padded[..., r - 1 - k: r - 1 - k + n_chunks] for k in range(r))
-    return chunks.unflatten(-1, (num_sel, per_sel)).sum(-1)
-
-
-def select_blocks_one(p_bhgc: torch.Tensor, pos_b: torch.Tensor, cfg: NSAConfig, num_sel: int) -> torch.Tensor:
-    """Top-n selection blocks of one query per kv head: [B,Hkv,G,Tc] cmp probabilities -> [B,Hkv,n].
-
-    The rule of reference.select_blocks (group-summed importance, forced blocks first, blocks
-    after the query's own excluded, ties to the lower block id, -1 in unused slots), but the
-    ids come in no particular order. torch.topk is not stable, so ties are broken by a key
-    that cannot tie: the score's bits (a non-negative float orders like its int32 bit
-    pattern) above the reversed block id.
-    """
-    imp_bhs = fold_to_sel_blocks(p_bhgc.sum(2), cfg, num_sel).float()
-    j = torch.arange(num_sel, device=pos_b.device)
-    own_b1 = (pos_b // cfg.sel_block)[:, None]
-    valid_bs = j[None, :] <= own_b1
-    forced_bs = valid_bs & ((j[None, :] < cfg.n_initial) | (j[None, :] > own_b1 - cfg.n_local))
-    score = imp_bhs.masked_fill(forced_bs[:, None], float("inf"))
-    key = score.view(torch.int32).to(torch.int64) * 2**32 + (num_sel - 1 - j)
-    key = key.masked_fill(~valid_bs[:, None], -1)
-    n = min(cfg.n_selected, num_sel)
-    top = torch.topk(key, n, dim=-1, sorted=False)
-    blocks = torch.where(top.values >= 0, top.indices, -1)
-    return F.pad(blocks, (0, cfg.n_selected - n), value=-1)
-
-
-def _sel_win_attention(q_bhgd, cache: NSACache, blocks_bhn, pos_b, g_sel, g_win) -> torch.Tensor:
-    """g_sel * selected branch + g_win * window branch, [B,Hkv,G,Dv], from one gather.
-
-    Keys: the n*l' tokens of the chosen blocks (causal up to pos), then the last w tokens up
-    to pos (masked where < 0). One score matmul, a softmax per branch, and, with each
-    branch's probabilities scaled by its gate, one matmul with the gathered values.
-    """
-    cfg = cache.config
-    dev, B, Hkv, n = pos_b.device, *blocks_bhn.shape
-    tok_sel = (blocks_bhn[..., None] * cfg.sel_block + torch.arange(cfg.sel_block, device=dev)).flatten(-2)
-    valid_sel = (blocks_bhn >= 0).repeat_interleave(cfg.sel_block, dim=-1) & (tok_sel <= pos_b[:, None, None])
-    w = min(cfg.window, cache.max_len)
-    tok_win = (pos_b[:, None] - w + 1 + torch.arange(w, device=dev))[:, None, :].expand(B, Hkv, w)
-    tok = torch.cat([tok_sel, tok_win], dim=-1).clamp(0, cache.max_len - 1)
-    b = torch.arange(B, device=dev)[:, None, None]
-    h = torch.arange(Hkv, device=dev)[None, :, None]
-    S = n * cfg.sel_block
-    if cfg.separate_kv:
-        k = torch.cat([cache.k[b, h, tok[..., :S]], cache.k_win[b, h, tok[..., S:]]], dim=2)
-        v = torch.cat([cache.v[b, h, tok[..., :S]], cache.v_win[b, h, tok[..., S:]]], dim=2)
-    else:
-        k, v = cache.k[b, h, tok], cache.v[b, h, tok]
-    s = _matmul_f32(q_bhgd, k.transpose(-1, -2)) * cfg.head_dim ** -0.5
-    p = torch.cat([g_sel * _softmax(s[..., :S], valid_sel), g_win * _softmax(s[..., S:], tok_win >= 0)], dim=-1)
-    return _matmul_f32(p.to(v.dtype), v)
 
 
 def check_prefill(layer: NSAAttention, cache: NSACache, x_btc: torch.Tensor, lengths: torch.Tensor) -> None:

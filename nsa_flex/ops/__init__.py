@@ -1,5 +1,7 @@
-"""Custom ops: the streaming top-n block selection (Triton on CUDA, a torch twin elsewhere)."""
+"""Custom ops (Triton on CUDA, a torch twin elsewhere): the streaming top-n block selection and
+the fused attention of one decode token."""
 
+from nsa_flex.ops.decode_attend import decode_attend, decode_attend_torch
 from nsa_flex.ops.select import select_blocks, select_blocks_torch
 
-__all__ = ["select_blocks", "select_blocks_torch"]
+__all__ = ["decode_attend", "decode_attend_torch", "select_blocks", "select_blocks_torch"]

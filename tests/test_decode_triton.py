@@ -1,0 +1,349 @@
+"""nsa_flex::decode_attend: the fused Triton kernels against the torch twin, the op's registration.
+
+Kernel tests run on CUDA (marked gpu) or, on a CPU machine, under Triton's interpreter
+(TRITON_INTERPRET=1 set before Python starts, Triton installed; skipped otherwise). The
+kernels' selection must equal the twin's as a set, up to near-ties that fp32 rounding may
+order either way (select_checks.assert_same_selection against fp64 importance). Outputs are
+compared with an fp64 oracle run with the kernels' own selection: the kernels' error stays
+within 2x the twin's in the same dtype plus a rounding floor (half an epsilon of the output's
+scale, a few fp32 ulps of the values').
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+import torch
+
+from select_checks import assert_same_selection, importance_tolerance
+
+from nsa_flex.blocks import forced_and_valid, num_cmp_blocks, num_sel_blocks, sort_block_indices
+from nsa_flex.cache import NSACache
+from nsa_flex.config import NSAConfig
+from nsa_flex.decode import Projected, decode_attention
+from nsa_flex.ops import decode_attend, decode_attend_torch, decode_triton
+from nsa_flex.ops.decode_attend import cmp_attention, fold_to_sel_blocks, sel_win_attention
+
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
+
+
+def _interpreting() -> bool:
+    if not decode_triton.HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(decode_triton._cmp_split_kernel, InterpretedFunction)
+
+
+def _interpreter_skip() -> str | None:
+    if not _interpreting():
+        return "needs Triton's interpreter (Triton installed, TRITON_INTERPRET=1 before Python starts)"
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        # Triton 3.6's interpreter turns 1-element arrays into loop bounds with int():
+        # numpy >= 2.4 raises there (triton-lang/triton#9171).
+        return "Triton 3.6's interpreter needs numpy < 2.4 (triton-lang/triton#9171)"
+    return None
+
+
+_skip_interpreter = pytest.mark.skipif(_interpreter_skip() is not None, reason=str(_interpreter_skip()))
+# numpy < 2.4 warns where 2.4 raises (see above), thousands of times per test.
+_quiet_numpy = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def interpreter(test):
+    return _skip_interpreter(_quiet_numpy(test))
+
+# (config, cache length T). Positions below are taken modulo T.
+CONFIGS = {
+    # The paper's l, d, l', w (w = 512), group 16, n = 16.
+    "g16-paper": (NSAConfig(n_heads=16, n_kv_heads=1, head_dim=64, n_selected=16), 1100),
+    # Group 4, Dk != Dv, a small window.
+    "g4-dk64-dv32": (NSAConfig(n_heads=8, n_kv_heads=2, head_dim=64, head_dim_v=32, n_selected=5, window=96), 700),
+    # Group 1, separate window K/V, l=16 d=8 l'=32: kernel B's fold with R = 4, m = 2.
+    "g1-separate-kv": (NSAConfig(n_heads=2, n_kv_heads=2, head_dim=32, head_dim_v=48, cmp_block=16, cmp_stride=8,
+                                 sel_block=32, n_selected=3, n_local=1, window=40, separate_kv=True), 300),
+    # Dk 192 (padded to 256), Dv 128, group 2; l' = 16 < l (R = 1, m = 2), two initial blocks.
+    "g2-dk192": (NSAConfig(n_heads=4, n_kv_heads=2, head_dim=192, head_dim_v=128, cmp_block=32, cmp_stride=16,
+                           sel_block=16, n_selected=6, n_initial=2, n_local=1, window=48), 200),
+    # No overlap (d = l), long compression blocks (l > l' + d: fold weights over three blocks).
+    "g8-long-cmp": (NSAConfig(n_heads=8, n_kv_heads=1, head_dim=64, cmp_block=80, cmp_stride=16, sel_block=32,
+                              n_selected=4, n_initial=0, n_local=1, window=64), 400),
+}
+# B=3 per call: no compressed entry yet (< l - 1), the first ones, multiples of 16/32/64/512 +- 1.
+POSITIONS = {
+    "early": [0, 17, 30],
+    "first-blocks": [31, 32, 47],
+    "at-64": [63, 64, 65],
+    "at-128": [127, 128, 129],
+    "at-512": [511, 512, 513],
+    "late": [767, 1023, 1099],
+}
+
+
+def make_inputs(cfg: NSAConfig, B: int, T: int, dtype, device, seed: int = 0):
+    """q [B,Hkv,G,Dk], the cache tensors (random also past each position: stale data must be
+    masked), gates [B,Hkv,G,3] fp32."""
+    g = torch.Generator().manual_seed(seed)
+    Hkv, G, Dk, Dv = cfg.n_kv_heads, cfg.group_size, cfg.head_dim, cfg.dv
+    Tc = max(1, num_cmp_blocks(T, cfg))
+
+    def rand(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=g)).to(dtype).to(device)
+
+    k, v = rand(B, Hkv, T, Dk), rand(B, Hkv, T, Dv)
+    k_win, v_win = (rand(B, Hkv, T, Dk), rand(B, Hkv, T, Dv)) if cfg.separate_kv else (k, v)
+    # Larger queries: sharper softmaxes, so the selection is not a coin toss.
+    q = rand(B, Hkv, G, Dk, s=2.0)
+    gates = torch.rand(B, Hkv, G, 3, generator=g).to(device)
+    return q, k, v, k_win, v_win, rand(B, Hkv, Tc, Dk), rand(B, Hkv, Tc, Dv), gates
+
+
+def with_blocks(inputs, pos, blocks, cfg: NSAConfig, dtype):
+    """The twin's output with a given selection, computed in dtype (fp64: the oracle)."""
+    q, k, v, k_win, v_win, k_cmp, v_cmp, gates = (x.to(dtype) for x in inputs)
+    g = gates.to(torch.promote_types(dtype, torch.float32))
+    scale = q.shape[-1] ** -0.5
+    o = g[..., 0:1] * cmp_attention(q, k_cmp, v_cmp, pos, scale, cfg)[0] + sel_win_attention(
+        q, k, v, k_win, v_win, blocks, pos, g[..., 1:2], g[..., 2:3], scale, cfg)
+    return o.to(dtype)
+
+
+def importance_fp64(inputs, pos, cfg: NSAConfig):
+    """([B, Hkv, 1, Ns] fp64 importance, forced +inf, invalid -inf; the selection tolerance)."""
+    q, k, _, _, _, k_cmp, v_cmp, _ = (x.double().cpu() for x in inputs)
+    pos = pos.cpu()
+    scale = q.shape[-1] ** -0.5
+    Ns = num_sel_blocks(k.shape[2], cfg)
+    _, p = cmp_attention(q, k_cmp, v_cmp, pos, scale, cfg)
+    imp = fold_to_sel_blocks(p.sum(2), cfg, Ns)
+    forced, valid = (x[pos][:, None] for x in forced_and_valid(k.shape[2], Ns, cfg))
+    scores = imp.masked_fill(forced, math.inf).masked_fill(~valid, -math.inf)
+    s = q @ k_cmp.transpose(-1, -2) * scale
+    visible = (torch.arange(k_cmp.shape[2]) * cfg.cmp_stride + cfg.cmp_block - 1)[None, :] <= pos[:, None]
+    s = s.masked_fill(~visible[:, None, None], -math.inf)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    gap = (s - lse).masked_fill(~visible[:, None, None], 0).abs().max().item() if visible.any() else 0.0
+    abs_dot = scale * (q.norm(dim=-1).max() * k_cmp.norm(dim=-1).max()).item()
+    return scores[:, :, None], importance_tolerance(q.shape[-1], q.shape[2], cfg, abs_dot, gap)
+
+
+def check_kernels(cfg: NSAConfig, T: int, positions, dtype, device, seed=0, tiles=None):
+    B = len(positions)
+    inputs = make_inputs(cfg, B, T, dtype, device, seed)
+    pos = torch.tensor(positions, device=device)
+    q, k, v, k_win, v_win, k_cmp, v_cmp, gates = inputs
+    scale = q.shape[-1] ** -0.5
+    o, blocks = decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cfg, tiles)
+    o_twin, blocks_twin = decode_attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, cfg)
+    assert o.dtype == q.dtype and o.shape == o_twin.shape and blocks.shape == blocks_twin.shape
+    scores, tol = importance_fp64(inputs, pos, cfg)
+    got, want = (sort_block_indices(x.cpu())[:, :, None] for x in (blocks, blocks_twin))
+    assert_same_selection(got, want, scores, tol)
+    oracle = with_blocks(inputs, pos, blocks, cfg, torch.float64)
+    low = with_blocks(inputs, pos, blocks, cfg, dtype)
+    err = (o.double() - oracle).abs().max().item()
+    ref_err = (low.double() - oracle).abs().max().item()
+    # Floor: one rounding of the output, plus fp32 arithmetic (partial merges) at the values' scale.
+    v_max = max(x.abs().max().item() for x in (v, v_win, v_cmp))
+    bound = 2 * ref_err + torch.finfo(dtype).eps / 2 * oracle.abs().max().item() + 16 * 2.0 ** -24 * v_max
+    assert err <= bound, f"kernel error {err:.3e} > bound {bound:.3e} (twin's error {ref_err:.3e})"
+    return blocks
+
+
+def _cases():
+    for name, (cfg, T) in CONFIGS.items():
+        for where, positions in POSITIONS.items():
+            if max(positions) < T and (where != "late" or name == "g16-paper"):
+                yield pytest.param(name, positions, id=f"{name}-{where}")
+
+
+@interpreter
+@pytest.mark.parametrize("name, positions", list(_cases()))
+def test_kernels_interpreted(name, positions):
+    cfg, T = CONFIGS[name]
+    check_kernels(cfg, T, positions, torch.bfloat16 if "dk64" in name or "paper" in name else torch.float32, "cpu")
+
+
+@interpreter
+def test_kernels_interpreted_one_split_per_tile():
+    # Several splits of kernel A and several importance tiles of kernel B, with empty splits.
+    cfg, T = CONFIGS["g16-paper"]
+    check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "SPLITS": 7, "BS": 4})
+
+
+@interpreter
+def test_kernels_interpreted_exact_ties():
+    # Zero queries: every importance is a tie; the kernels must pick the lower ids, as the twin.
+    cfg, T = CONFIGS["g4-dk64-dv32"]
+    inputs = list(make_inputs(cfg, 2, T, torch.float32, "cpu"))
+    inputs[0] = torch.zeros_like(inputs[0])
+    pos = torch.tensor([650, 300])
+    args = (*inputs[:7], pos, inputs[7])
+    _, blocks = decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg)
+    _, want = decode_attend_torch(*args, cfg)
+    assert torch.equal(sort_block_indices(blocks), sort_block_indices(want))
+
+
+GPU_CASES = [
+    pytest.param(name, B, dtype, id=f"{name}-B{B}-{str(dtype)[6:]}")
+    for name, B, dtype in [("g16-paper", 3, torch.bfloat16), ("g16-paper", 8, torch.float16),
+                           ("g4-dk64-dv32", 3, torch.float32), ("g1-separate-kv", 3, torch.bfloat16),
+                           ("g2-dk192", 3, torch.bfloat16), ("g8-long-cmp", 3, torch.bfloat16)]
+]
+
+
+@gpu
+@pytest.mark.parametrize("name, B, dtype", GPU_CASES)
+def test_kernels_gpu(name, B, dtype):
+    if not decode_triton.HAS_TRITON or _interpreting():
+        pytest.skip("needs compiled Triton kernels")
+    cfg, T = CONFIGS[name]
+    for seed in range(3):
+        positions = torch.randint(0, T, (B,), generator=torch.Generator().manual_seed(seed)).tolist()
+        check_kernels(cfg, T, positions, dtype, "cuda", seed)
+    for where, positions in POSITIONS.items():
+        check_kernels(cfg, T, [p % T for p in positions], dtype, "cuda")
+
+
+@gpu
+def test_gpu_paper_shape_long_context():
+    # The bench shape: Hq=64, Hkv=4, D=128, bf16, 16k tokens, B=2.
+    cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
+    check_kernels(cfg, 16384 + 256, [16383, 9000], torch.bfloat16, "cuda")
+
+
+# --- the op: registration, dispatch, compile (CPU: the twin) --------------------------------
+
+def _op_args(device="cpu", dtype=torch.float32, name="g4-dk64-dv32"):
+    cfg, T = CONFIGS[name]
+    q, k, v, k_win, v_win, k_cmp, v_cmp, gates = make_inputs(cfg, 3, T, dtype, device)
+    pos = torch.tensor([5, 64, T - 1], device=device)
+    return cfg, (q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates)
+
+
+def test_op_equals_twin_and_accepts_hq_layout():
+    cfg, args = _op_args()
+    o, blocks = decode_attend(*args, cfg)
+    o_twin, blocks_twin = decode_attend_torch(*args, cfg)
+    assert torch.equal(o, o_twin) and torch.equal(blocks, blocks_twin)
+    q, gates = args[0], args[-1]
+    B, Hkv, G, Dk = q.shape
+    flat = (q.reshape(B, 1, Hkv * G, Dk), *args[1:-1], gates.reshape(B, 1, Hkv * G, 3))
+    o_flat, blocks_flat = decode_attend(*flat, cfg)
+    assert torch.equal(o_flat, o) and torch.equal(blocks_flat, blocks)
+
+
+def test_opcheck_cpu():
+    cfg, args = _op_args()
+    torch.library.opcheck(torch.ops.nsa_flex.decode_attend.default,
+                          (*args, cfg.head_dim ** -0.5, 32, 16, 64, cfg.n_selected, 1, 2, cfg.window))
+
+
+@gpu
+def test_opcheck_cuda():
+    if not decode_triton.HAS_TRITON:
+        pytest.skip("needs Triton")
+    cfg, args = _op_args("cuda", torch.bfloat16, "g16-paper")
+    # The launcher sizes its grid from concrete shapes: no dynamic-shape tracing.
+    torch.library.opcheck(torch.ops.nsa_flex.decode_attend.default,
+                          (*args, cfg.head_dim ** -0.5, 32, 16, 64, cfg.n_selected, 1, 2, cfg.window),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ("pos-int32", ValueError, "pos must be an int64 tensor"),
+    ("gates-shape", ValueError, "gates must be"),
+    ("q-dim", ValueError, "q must be"),
+    ("v-dtype", TypeError, "v has dtype"),
+    ("k_cmp-shape", ValueError, "k_cmp must be"),
+])
+def test_bad_inputs(change, error, message):
+    cfg, args = _op_args()
+    args = list(args)
+    match change:
+        case "pos-int32":
+            args[7] = args[7].int()
+        case "gates-shape":
+            args[8] = args[8][..., :2]
+        case "q-dim":
+            args[0] = args[0][..., :16]
+        case "v-dtype":
+            args[2] = args[2].double()
+        case "k_cmp-shape":
+            args[5] = args[5][:, :, :3, :7]
+    with pytest.raises(error, match=message):
+        decode_attend(*args, cfg)
+
+
+def _decode_steps(cache, pr, gates, phi, steps: int, impl: str, step_fn=None):
+    """Runs decode_attention `steps` times; returns the stacked outputs and selections."""
+    fn = step_fn or (lambda: decode_attention(cache, pr, gates, *phi, impl=impl))
+    outs, sels = [], []
+    for _ in range(steps):
+        o, sel = fn()
+        outs.append(o.clone())
+        sels.append(sort_block_indices(sel))
+    return torch.stack(outs), torch.stack(sels)
+
+
+def _decode_problem(cfg: NSAConfig, B: int, T: int, start, dtype, device):
+    from nsa_flex.compression import Compressor
+
+    torch.manual_seed(0)
+    cache = NSACache(cfg, B, T, dtype=dtype, device=device)
+    for buf in (cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.k_tail, cache.v_tail, cache.k_win, cache.v_win):
+        buf.normal_()
+    cache.lengths.copy_(torch.tensor(start, device=device))
+    kv = lambda D: torch.randn(B, 1, cfg.n_kv_heads, D, device=device, dtype=dtype)  # noqa: E731
+    k, v = kv(cfg.head_dim), kv(cfg.dv)
+    pr = Projected(2 * torch.randn(B, 1, cfg.n_heads, cfg.head_dim, device=device, dtype=dtype), k, v, k, v, k, v)
+    gates = torch.rand(B, 1, cfg.n_heads, 3, device=device, dtype=dtype)
+    phi = tuple(Compressor(cfg, D).to(device, dtype) for D in (cfg.head_dim, cfg.dv))
+    return cache, pr, gates, phi
+
+
+def test_decode_attention_op_traces_with_cache_updates():
+    # aot_eager functionalizes the step: the op must read the cache as written in the same graph.
+    cfg, _ = CONFIGS["g1-separate-kv"]
+    cache, pr, gates, phi = _decode_problem(cfg, 2, 120, [29, 60], torch.float32, "cpu")
+    state = {name: buf.clone() for name, buf in cache.named_buffers()}
+    want = _decode_steps(cache, pr, gates, phi, 8, "torch")
+    for name, buf in cache.named_buffers():
+        buf.copy_(state[name])
+    torch._dynamo.reset()
+    step = torch.compile(lambda: decode_attention(cache, pr, gates, *phi), backend="aot_eager", fullgraph=True)
+    got = _decode_steps(cache, pr, gates, phi, 8, "op", step)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="unknown decode impl"):
+        decode_attention(cache, pr, gates, *phi, impl="triton")
+
+
+@gpu
+def test_gpu_compiled_decode_matches_twin():
+    """decode_attention with the op, torch.compile(mode="reduce-overhead", fullgraph=True), one
+    CUDA graph, no recompile across 100 steps, against the eager twin step by step."""
+    from torch._dynamo.utils import counters
+
+    cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
+    start = [4000, 4093]
+    cache, pr, gates, phi = _decode_problem(cfg, 2, 4300, start, torch.bfloat16, "cuda")
+    state = {name: buf.clone() for name, buf in cache.named_buffers()}
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda: decode_attention(cache, pr, gates, *phi), mode="reduce-overhead",
+                         fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got_o, got_sel = _decode_steps(cache, pr, gates, phi, 100, "op", step)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    for name, buf in cache.named_buffers():
+        buf.copy_(state[name])
+    want_o, want_sel = _decode_steps(cache, pr, gates, phi, 100, "torch")
+    same = (got_sel == want_sel).all(-1).float().mean().item()
+    assert same >= 0.98, f"selections agree on only {same:.1%} of (step, b, h)"
+    rows = (got_sel == want_sel).all(-1).all(-1)  # [steps, B]: same selection for every head
+    scale = want_o.abs().max().item()
+    torch.testing.assert_close(got_o[rows].float(), want_o[rows].float(), rtol=2e-2, atol=2 ** -7 * scale)
