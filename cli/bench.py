@@ -99,25 +99,33 @@ def attention(
     typer.echo(f"bench attention: {attention_summary(cfg)}; T={list(cfg.seq_lens)}; impls={', '.join(cfg.impls)}")
     for why in cfg.left_out:
         typer.echo(f"left out (optional peer): {why}")
-    rows = _run_with_progress(run_suite, cfg, progress)
-    paths, md = write_report(out_dir, name or default_stem("attention", cfg.device), suite="attention", config=cfg,
-                             rows=rows, summary=attention_summary(cfg), notes=attention_notes(cfg), commit=git_commit)
+    stem = name or default_stem("attention", cfg.device)
+
+    def save(rows):
+        return write_report(out_dir, stem, suite="attention", config=cfg, rows=rows, summary=attention_summary(cfg),
+                            notes=attention_notes(cfg), commit=git_commit)
+
+    # Rewritten after every (impl, T): a run cut short still leaves what it measured.
+    rows = _run_with_progress(run_suite, cfg, progress, on_rows=save)
+    paths, md = save(rows)
     for kind, path in paths.items():
         typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
     typer.echo("")
     typer.echo(md)
 
 
-def _run_with_progress(run_suite, cfg, show: bool):
+def _run_with_progress(run_suite, cfg, show: bool, on_rows=None):
     if not show:
-        return run_suite("attention", cfg)
+        # Plain lines (logs, CI, remote runs): one per step, so a long sweep is never silent.
+        return run_suite("attention", cfg, on_rows=on_rows,
+                         progress=lambda done, total, what: typer.echo(f"  [{done}/{total}] {what}", err=True))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task("starting", total=None)
-        return run_suite("attention", cfg,
+        return run_suite("attention", cfg, on_rows=on_rows,
                          progress=lambda done, total, what: bar.update(task, completed=done, total=total,
                                                                        description=what))
 

@@ -103,7 +103,7 @@ def test_cli_rejects_bad_flags(args, message):
 def test_cli_flags_reach_the_config(monkeypatch, tmp_path):
     seen = {}
 
-    def fake_run_suite(name, cfg, progress=None):
+    def fake_run_suite(name, cfg, progress=None, on_rows=None):
         seen["cfg"] = cfg
         return []
 
@@ -220,3 +220,16 @@ def test_speedups_use_the_first_measured_baseline():
             Row(suite="s", impl="nsa-flex", mode="fwd", T=16, median_ms=1.0)]
     assert add_speedups(rows, ("dense-cudnn", "dense-flash")) == "dense-flash"
     assert [r.speedup for r in rows] == [None, 1.0, 4.0, None]
+
+
+def test_attention_sweep_reports_rows_as_it_goes(tmp_path):
+    """on_rows sees the rows after every (impl, T), growing, so a cut-off run keeps a partial report."""
+    from nsa_flex.bench import run_suite
+    from nsa_flex.bench.attention import attention_config
+
+    cfg = attention_config(device="cpu", seq_lens=(64, 128), impls=("reference", "dense"), modes=("fwd",),
+                           warmup=0, iters=1, check_seq_len=64)
+    seen = []
+    rows = run_suite("attention", cfg, on_rows=lambda rows: seen.append([(r.impl, r.T) for r in rows]))
+    assert [len(s) for s in seen] == [1, 2, 3, 4]
+    assert seen[-1] == [(r.impl, r.T) for r in rows]

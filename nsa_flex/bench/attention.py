@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -182,11 +182,21 @@ def attention_summary(cfg: AttentionBenchConfig) -> str:
             f"(preset {cfg.preset})")
 
 
-def run_attention(cfg: AttentionBenchConfig, progress: Progress | None = None) -> list[Row]:
-    """The sweep: rows for every impl x T x mode, speedups against the first dense baseline."""
+def run_attention(cfg: AttentionBenchConfig, progress: Progress | None = None,
+                  on_rows: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """The sweep: rows for every impl x T x mode, speedups against the first dense baseline.
+
+    on_rows(rows so far) runs after each T of each impl (a cut-off run keeps what it measured).
+    """
     _allow_recompiles()
     tick = _ticker(progress, len(cfg.impls) * (1 + len(cfg.seq_lens) * len(cfg.modes)))
-    rows = [row for name in cfg.impls for row in _run_impl(IMPLS[name], cfg, tick)]
+    rows: list[Row] = []
+    for name in cfg.impls:
+        for group in _run_impl(IMPLS[name], cfg, tick):
+            rows.extend(group)
+            if on_rows is not None:
+                add_speedups(rows, BASELINE_ORDER)
+                on_rows(list(rows))
     tick("done", 0)
     add_speedups(rows, BASELINE_ORDER)
     return rows
@@ -212,15 +222,18 @@ def _ticker(progress: Progress | None, total: int) -> Callable[[str, int], None]
     return tick
 
 
-def _run_impl(impl: Impl, cfg: AttentionBenchConfig, tick) -> list[Row]:
+def _run_impl(impl: Impl, cfg: AttentionBenchConfig, tick) -> Iterator[list[Row]]:
+    """The impl's rows, one list per T (after its check at the check length)."""
     reason = impl.unavailable(cfg)
     if reason:
         tick(f"{impl.name}: skipped", 1 + len(cfg.seq_lens) * len(cfg.modes))
-        return [Row(suite="attention", impl=impl.name, mode=m, T=T, status="skipped", note=reason)
-                for T in cfg.seq_lens for m in cfg.modes]
+        yield [Row(suite="attention", impl=impl.name, mode=m, T=T, status="skipped", note=reason)
+               for T in cfg.seq_lens for m in cfg.modes]
+        return
     tick(f"{impl.name}: check at T={cfg.check_seq_len}")
     check = _run_check(impl, cfg)
-    return [row for T in cfg.seq_lens for row in _run_length(impl, cfg, T, check, tick)]
+    for T in cfg.seq_lens:
+        yield _run_length(impl, cfg, T, check, tick)
 
 
 def _run_check(impl: Impl, cfg: AttentionBenchConfig) -> tuple[str, float | None]:

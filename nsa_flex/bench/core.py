@@ -91,10 +91,14 @@ def register_suite(suite: Suite) -> Suite:
     return suite
 
 
-def run_suite(name: str, config, progress: Progress | None = None) -> list[Row]:
+def run_suite(name: str, config, progress: Progress | None = None,
+              on_rows: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """Runs a suite; on_rows(rows so far) after each finished group, so a caller can save a partial report."""
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; allowed: {', '.join(SUITES)}")
-    return SUITES[name].run(config, progress=progress)
+    if on_rows is None:
+        return SUITES[name].run(config, progress=progress)
+    return SUITES[name].run(config, progress=progress, on_rows=on_rows)
 
 
 def pick_baseline(rows: list[Row], order: tuple[str, ...]) -> str | None:
