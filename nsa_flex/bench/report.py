@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from nsa_flex.bench.core import SCHEMA, SUITES, Row, environment, make_header, pick_baseline
+from nsa_flex.bench.core import SCHEMA, SUITES, Row, add_speedups, environment, make_header, pick_baseline
 
 
 def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row], summary: str,
@@ -33,13 +33,22 @@ def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row
     return paths, md
 
 
-def merge_reports(paths: list[Path], out_dir: Path, stem: str) -> tuple[dict[str, Path | None], str]:
+def merge_reports(paths: list[Path], out_dir: Path, stem: str,
+                  baseline_order: tuple[str, ...] | None = None) -> tuple[dict[str, Path | None], str]:
     """One report from the JSON files of several runs of one suite on one device (e.g. a sweep
-    split over several commands): the first file's header, every file's rows in order."""
+    split over several commands of one session): the first file's header, every file's rows in order.
+
+    baseline_order: recompute every speedup against the first of these impls found in the
+    merged rows (each file's own speedups may use different baselines); None keeps them.
+    """
     reports = [json.loads(Path(p).read_text()) for p in paths]
     rows = [Row(**r) for report in reports for r in report["rows"]]
     first = reports[0]["header"]
     header = dict(first, notes=first["notes"] + [f"merged from {', '.join(Path(p).name for p in paths)}"])
+    if baseline_order is not None:
+        for r in rows:
+            r.speedup = None
+        header["speedup_baseline"] = add_speedups(rows, baseline_order)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths_out: dict[str, Path | None] = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}

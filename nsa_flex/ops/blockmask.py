@@ -198,7 +198,7 @@ def query_chunks(rows: int, q_block: int, max_chunks: int, min_rows: int) -> int
     extra heads (keys copied per chunk: T/16 of them, cheap) gives chunks times more,
     shorter programs, and autograd sums the copies' gradients. On an H200 at T=64k, G=16
     the compressed branch's forward+backward went from 67.1 to 46.4 ms with 16 chunks
-    (bench/results/2026-11-22_h200_profile_variants_T65536.json). The largest power of two
+    (bench/results/2026-11-22_h200_profile_variants_T65536_run1.json). The largest power of two
     <= max_chunks that divides rows into whole q_block tiles of at least min_rows rows each.
     """
     chunks = 1
