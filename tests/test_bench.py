@@ -233,3 +233,31 @@ def test_attention_sweep_reports_rows_as_it_goes(tmp_path):
     rows = run_suite("attention", cfg, on_rows=lambda rows: seen.append([(r.impl, r.T) for r in rows]))
     assert [len(s) for s in seen] == [1, 2, 3, 4]
     assert seen[-1] == [(r.impl, r.T) for r in rows]
+
+
+def test_merge_reports_recomputes_speedups_against_one_baseline(tmp_path):
+    """Two parts of one sweep with different baselines: merged, every speedup is against dense-cudnn."""
+    import json
+
+    from nsa_flex.bench.attention import BASELINE_ORDER
+    from nsa_flex.bench.core import SCHEMA, Row
+    from nsa_flex.bench.report import merge_reports
+
+    def part(name, rows):
+        header = {"suite": "attention", "device": "test", "summary": "s", "torch": "t", "triton": None, "cuda": None,
+                  "git_commit": "abc", "date": "d", "notes": [], "speedup_baseline": rows[0].impl}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"schema": SCHEMA, "header": header,
+                                    "rows": [dataclasses.asdict(r) for r in rows]}))
+        return path
+
+    def row(impl, ms, speedup):
+        return Row(suite="attention", impl=impl, mode="fwd", T=8192, median_ms=ms, speedup=speedup)
+
+    a = part("a", [row("dense-cudnn", 2.0, 1.0), row("nsa-flex", 4.0, 0.5)])
+    b = part("b", [row("dense-flash", 3.0, 1.0), row("flex-dense", 6.0, 0.5)])
+    merge_reports([a, b], tmp_path / "out", "m", baseline_order=BASELINE_ORDER)
+    merged = json.loads((tmp_path / "out" / "m.json").read_text())
+    got = {r["impl"]: r["speedup"] for r in merged["rows"]}
+    assert got == {"dense-cudnn": 1.0, "nsa-flex": 0.5, "dense-flash": 2.0 / 3.0, "flex-dense": 2.0 / 6.0}
+    assert merged["header"]["speedup_baseline"] == "dense-cudnn"
