@@ -65,6 +65,15 @@ def errors(x: dict, cfg: NSAConfig, do: torch.Tensor, o, grads, sel) -> dict:
     return out
 
 
+def assert_within_tolerance(report: dict) -> None:
+    """Prints the error table (kept in the recorded GPU output) and fails on any entry over its tolerance."""
+    print(f"\n{'':8} {'flex err':>10} {'tolerance':>10}")
+    for name, (err, tol) in report.items():
+        print(f"{name:8} {err:10.3e} {tol:10.3e}")
+    bad = {name: v for name, v in report.items() if not v[0] <= v[1]}
+    assert not bad, bad
+
+
 CASES = [
     # (G, Hkv, Dk, Dv, T, B, dtype, n_selected, window)
     pytest.param(16, 1, 128, 128, 1000, 1, BF16, 16, 512, id="G16-D128-T1000-bf16"),
@@ -83,12 +92,7 @@ def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w)
     do = torch.randn(B, T, G * Hkv, Dv, device="cuda", dtype=dtype)
     o, grads, sel = run(nsa_flex, x, do, config=cfg)
     assert sel.shape == (B, Hkv, T, n)
-    report = errors(x, cfg, do, o, grads, sel)
-    print(f"\n{'':8} {'flex err':>10} {'tolerance':>10}")
-    for name, (err, tol) in report.items():
-        print(f"{name:8} {err:10.3e} {tol:10.3e}")
-    bad = {name: v for name, v in report.items() if not v[0] <= v[1]}
-    assert not bad, bad
+    assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
 
 @pytest.mark.parametrize("G,Hkv,T,dtype,n_initial,min_rows", [
@@ -102,12 +106,7 @@ def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_
     x = cuda_inputs(cfg, T, 1, dtype, seed=T)
     do = torch.randn(1, T, G * Hkv, 128, device="cuda", dtype=dtype)
     o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=FlexTiles(min_chunk_rows=min_rows))
-    report = errors(x, cfg, do, o, grads, sel)
-    print(f"\n{'':8} {'flex err':>10} {'tolerance':>10}")
-    for name, (err, tol) in report.items():
-        print(f"{name:8} {err:10.3e} {tol:10.3e}")
-    bad = {name: v for name, v in report.items() if not v[0] <= v[1]}
-    assert not bad, bad
+    assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
 
 def test_compiled_whole_op_one_frame_no_recompile():
