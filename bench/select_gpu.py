@@ -1,0 +1,177 @@
+"""Time the selection kernels of nsa_flex/ops/select_triton.py against each other on a GPU.
+
+    PYTHONPATH=. python3 bench/select_gpu.py --out bench/results/select_variants_h200.json
+
+Shapes: T = 16384 and 65536 with G = 16 (Hq = 64, Hkv = 4), and T = 65536 with G = 4
+(Hq = 16); Dk = 128, bf16, the paper's geometry (NSAConfig()). For each shape and launch
+setting (the tiles of select_blocks_triton; "rows" is the kernel the op runs today, with its
+defaults): the fraction of (kv head, token) rows equal to the "rows" kernel's and to the torch
+twin's, the rows that differ from the twin checked to be near-ties against fp64 importance
+(tests/select_checks.py), the time of the first call (compile included), then the median time
+of one call (triton.testing.do_bench). The JSON is rewritten after every setting, so a run cut
+short keeps what it measured; a Markdown table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ops_select_gpu import header, make_inputs, row_scores, score_flops  # noqa: E402
+from select_checks import assert_same_selection  # noqa: E402  (ops_select_gpu puts tests/ on the path)
+
+from nsa_flex.config import NSAConfig  # noqa: E402
+from nsa_flex.ops import select_blocks_torch, select_triton  # noqa: E402
+
+ROWS = {"variant": "rows"}
+COLS = {"variant": "cols"}
+BT8 = {**COLS, "BT": 8, "num_warps": 4}
+BT16 = {**COLS, "BT": 16, "num_warps": 4}
+# Per shape (T, Hq): named launch settings, "rows" first (the reference for equality and speed).
+# cols defaults: G=16 -> BT=16 (256 columns), G=4 -> BT=32 (128 columns); 8 warps, 3 stages.
+# From sm_90 builds made without a GPU (Triton 3.6), registers / shared memory: cols G=16
+# 173 / 115 KB (one program per SM); maxnreg=128 with 2 stages 99 KB, two per SM (spills);
+# BT=8 with 4 warps 168 / 82 KB (two per SM), 66 KB with 2 stages (three per SM); G=4 cols
+# 169 / 84 KB, maxnreg=128 without spills (two per SM); BT=16 with 4 warps 168 / 67 KB (three).
+# With 2 stages Triton issues the next tile's copy at the end of an iteration and waits for it
+# at the start of the next: "rows stages3" measures what that costs the current kernel.
+# DEPTH=8 halves the merges on random inputs (3 against 7 over 64 tiles in a simulation).
+SETTINGS = {
+    (16384, 64): {"rows": ROWS, "cols": COLS, "cols BT8 w4 stages2": {**BT8, "num_stages": 2}},
+    (65536, 64): {
+        "rows": ROWS,
+        "rows stages3": {**ROWS, "num_stages": 3},
+        "cols": COLS,
+        "cols stages2": {**COLS, "num_stages": 2},
+        "cols maxnreg128 stages2": {**COLS, "maxnreg": 128, "num_stages": 2},
+        "cols DEPTH8": {**COLS, "DEPTH": 8},
+        "cols BT8 w4": BT8,
+        "cols BT8 w4 stages2": {**BT8, "num_stages": 2},
+    },
+    (65536, 16): {
+        "rows": ROWS,
+        "cols": COLS,
+        "cols maxnreg128": {**COLS, "maxnreg": 128},
+        "cols BT16 w4": BT16,
+        "cols BT16 w4 stages2": {**BT16, "num_stages": 2},
+    },
+}
+
+
+@dataclasses.dataclass
+class Row:
+    T: int
+    Hq: int
+    Hkv: int
+    setting: str
+    tiles: dict
+    ms: float | None = None
+    score_tflops: float | None = None
+    speedup_vs_rows: float | None = None
+    first_call_s: float | None = None
+    rows_equal_rows_kernel: float | None = None
+    rows_equal_twin: float | None = None
+    rows_differ_twin: int | None = None
+    near_ties_ok: bool | None = None
+    error: str | None = None
+
+
+def check_near_ties(q, k_cmp, lse, config, got, twin) -> None:
+    """Raises unless the (first 512) rows that differ from the twin's differ in near-ties only."""
+    hs, ts = (got != twin).any(-1)[0].nonzero(as_tuple=True)
+    if hs.numel():
+        hs, ts = hs[:512], ts[:512]
+        scores, tol = row_scores(q, k_cmp, lse, config, hs, ts)
+        assert_same_selection(got[0, hs, ts][None, None], twin[0, hs, ts].long()[None, None], scores[None, None], tol)
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def bench_setting(q, k_cmp, lse, config, name, tiles, twin, rows_out) -> tuple[Row, torch.Tensor | None]:
+    """The setting's Row and its indices (None if it failed to run)."""
+    import triton
+
+    T, Hq, Dk = q.shape[1], q.shape[2], q.shape[3]
+    G = Hq // k_cmp.shape[2]
+    # The settings in full: launch_config's defaults for the variant, overridden by tiles.
+    full = {**select_triton.launch_config(G, Dk, config.n_selected, tiles["variant"]), **tiles}
+    row = Row(T, Hq, k_cmp.shape[2], name, full)
+
+    def run():
+        return select_triton.select_blocks_triton(q, k_cmp, lse, None, None, Dk ** -0.5, config, tiles)
+
+    try:
+        start = time.perf_counter()
+        got = run()
+        torch.cuda.synchronize()
+        row.first_call_s = time.perf_counter() - start
+    except Exception as e:  # a setting that fails to compile or run is reported, not fatal
+        row.error = f"{type(e).__name__}: {str(e)[:300]}"
+        return row, None
+    if rows_out is not None:
+        row.rows_equal_rows_kernel = 1.0 - (got != rows_out).any(-1).float().mean().item()
+    row.rows_differ_twin = int((got != twin).any(-1).sum())
+    row.rows_equal_twin = 1.0 - row.rows_differ_twin / (got.shape[1] * got.shape[2])
+    try:
+        check_near_ties(q, k_cmp, lse, config, got, twin)
+        row.near_ties_ok = True
+    except AssertionError as e:
+        row.near_ties_ok, row.error = False, f"beyond near-ties: {str(e)[:300]}"
+    row.ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    row.score_tflops = score_flops(T, Hq, Dk, config) / row.ms / 1e9
+    return row, got
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default="16384x64,65536x64,65536x16",
+                        help="comma-separated TxHq among " + ", ".join(f"{t}x{h}" for t, h in SETTINGS))
+    args = parser.parse_args()
+    config = NSAConfig()
+    result = {**header(), "config": dataclasses.asdict(config), "rows": []}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+    rows = []
+    for shape in args.shapes.split(","):
+        T, Hq = (int(x) for x in shape.split("x"))
+        q, k_cmp, lse = make_inputs(T, Hq, 4, 128, torch.bfloat16, config)
+        start = time.perf_counter()
+        twin = select_blocks_torch(q, k_cmp, lse, config)
+        print(f"T={T} Hq={Hq}: twin {time.perf_counter() - start:.1f} s", flush=True)
+        rows_out = base_ms = None
+        for name, tiles in SETTINGS[(T, Hq)].items():
+            row, got = bench_setting(q, k_cmp, lse, config, name, tiles, twin, rows_out)
+            if name == "rows":
+                rows_out = got
+                base_ms = row.ms
+            if row.ms is not None and base_ms:
+                row.speedup_vs_rows = base_ms / row.ms
+            rows.append(row)
+            result["rows"].append(dataclasses.asdict(row))
+            print(row, flush=True)
+            save()
+        del q, k_cmp, lse, twin, rows_out
+        torch.cuda.empty_cache()
+    print("| T | Hq/Hkv | setting | ms | x rows | score TFLOP/s | = rows kernel | = twin | near-ties ok | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.T} | {r.Hq}/{r.Hkv} | {r.setting} | {fmt(r.ms, '.3f')} | {fmt(r.speedup_vs_rows, '.2f')} | "
+              f"{fmt(r.score_tflops, '.0f')} | {fmt(r.rows_equal_rows_kernel, '.6f')} | "
+              f"{fmt(r.rows_equal_twin, '.6f')} | {r.near_ties_ok} | {r.error or ''} |")
+
+
+if __name__ == "__main__":
+    main()

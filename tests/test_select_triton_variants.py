@@ -1,0 +1,190 @@
+"""The selection kernels of nsa_flex/ops/select_triton.py, each variant against the torch twin
+and nsa_flex.reference.select_blocks.
+
+Run on CUDA (marked gpu) or, on a CPU machine, under Triton's interpreter (TRITON_INTERPRET=1
+set before Python starts, Triton installed; skipped otherwise). A kernel's selection must equal
+the twin's up to near-ties that fp32 rounding may order either way
+(select_checks.assert_same_selection against fp64 importance); hand-built cases compare exactly.
+Small tiles (tiles=...) force many programs, tiles and queue merges on small inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+import torch
+
+from select_checks import assert_same_selection
+from test_ops_select import make_config, make_inputs, reference_selection, selection_tolerance
+
+from nsa_flex.blocks import num_cmp_blocks
+from nsa_flex.compression import compressed_seqlens
+from nsa_flex.config import NSAConfig
+from nsa_flex.ops import select_blocks_torch, select_triton
+
+
+def _interpreting() -> bool:
+    if not select_triton.HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(select_triton._select_kernel_cols, InterpretedFunction)
+
+
+def _device() -> str | None:
+    if select_triton.HAS_TRITON and torch.cuda.is_available():
+        return "cuda"
+    if _interpreting() and tuple(int(x) for x in numpy.__version__.split(".")[:2]) < (2, 4):
+        # Triton 3.6's interpreter turns 1-element arrays into loop bounds with int():
+        # numpy >= 2.4 raises there (triton-lang/triton#9171).
+        return "cpu"
+    return None
+
+
+DEVICE = _device()
+pytestmark = [
+    pytest.mark.skipif(DEVICE is None, reason="needs CUDA and Triton, or Triton's interpreter "
+                       "(TRITON_INTERPRET=1 before Python starts) with numpy < 2.4"),
+    # numpy < 2.4 warns where 2.4 raises (see above), thousands of times per test.
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
+FP32 = torch.float32
+# Triton 3.6's interpreter gets bf16 tl.dot wrong (errors ~1e10 on random inputs; fp16 and fp32
+# are exact): there the half-precision cases run in fp16.
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+def run_kernel(q, k_cmp, lse, config, tiles, cu=None):
+    cu_cmp = None if cu is None else compressed_seqlens(cu, config).to(DEVICE)
+    cu = None if cu is None else cu.to(DEVICE)
+    return select_triton.select_blocks_triton(q, k_cmp, lse, cu, cu_cmp, q.shape[-1] ** -0.5, config, tiles)
+
+
+# Beyond tests/test_ops_select.py's geometries: no forced block (with n_local >= 2 the
+# blocks of compression blocks a token cannot see yet are all forced, so only here does the
+# causal mask inside a tile decide anything), and R = l' / d = 3 (padded score rows).
+MORE_GEOMETRIES = {
+    "unforced": dict(cmp_block=32, cmp_stride=16, sel_block=64, n_initial=0, n_local=0),
+    "sel48": dict(cmp_block=32, cmp_stride=16, sel_block=48, n_initial=1, n_local=1),
+}
+
+
+def check(B, T, G, Dk, n, geometry, dtype, tiles, seed=0):
+    if geometry in MORE_GEOMETRIES:
+        config = NSAConfig(n_heads=2 * G, n_kv_heads=2, head_dim=Dk, n_selected=n, **MORE_GEOMETRIES[geometry])
+    else:
+        config = make_config(G, Dk, n, geometry)
+    q, k_cmp, lse = make_inputs(B, T, config, dtype=dtype, seed=seed, device=DEVICE)
+    got = run_kernel(q, k_cmp, lse, config, tiles)
+    assert got.dtype == torch.int32 and got.shape == (B, config.n_kv_heads, T, n)
+    twin = select_blocks_torch(q, k_cmp, lse, config)
+    want, scores = reference_selection(q, k_cmp, lse, config)
+    tol = selection_tolerance(q, k_cmp, lse, config)
+    assert_same_selection(got, twin.long(), scores, tol)
+    assert_same_selection(got, want, scores, tol)
+
+
+COLS = {"variant": "cols"}
+
+
+def cols(**tiles):
+    return {**COLS, **tiles}
+
+
+# (B, T, G, Dk, n, geometry, dtype, tiles): G' = 1..16 (3 padded to 4), head dims 32 to 192
+# (192 pads to 256), T not a multiple of 64, the four geometries. A tile of BS selection blocks
+# spans BS * l' tokens: BS = 4 or 8 gives several tiles (the C1 carry, tiles every token sees
+# whole) on short inputs; DEPTH = 1 merges at every join.
+CASES = [
+    pytest.param(2, 200, 1, 64, 4, "paper", FP32, COLS, id="G1-D64-fp32"),
+    pytest.param(1, 2100, 1, 32, 4, "paper", HALF, COLS, id="G1-T2100"),
+    pytest.param(2, 333, 4, 128, 6, "paper", HALF, COLS, id="G4-D128-half"),
+    pytest.param(1, 700, 16, 64, 4, "paper", HALF, cols(BS=4), id="G16-D64-BS4-half"),
+    pytest.param(1, 300, 16, 192, 5, "paper", FP32, COLS, id="G16-D192-fp32"),
+    pytest.param(1, 460, 3, 64, 4, "no_overlap", FP32, cols(BS=4), id="G3-no_overlap-BS4"),
+    pytest.param(1, 600, 2, 32, 3, "sel32", HALF, cols(BS=8), id="G2-sel32-BS8"),
+    pytest.param(1, 500, 8, 64, 4, "long_cmp", FP32, cols(BS=4), id="G8-long_cmp-BS4"),
+    pytest.param(1, 700, 4, 64, 32, "paper", HALF, COLS, id="G4-n32"),
+    pytest.param(1, 700, 4, 64, 4, "unforced", HALF, cols(BS=4), id="G4-unforced-BS4"),
+    pytest.param(1, 500, 2, 64, 4, "sel48", FP32, cols(BS=4), id="G2-sel48-BS4"),
+    pytest.param(1, 420, 16, 64, 4, "paper", FP32, cols(BT=4, BS=4, DEPTH=1, num_warps=4), id="G16-BT4-depth1"),
+    pytest.param(2, 420, 4, 128, 5, "paper", HALF, cols(BT=8, BS=8, DEPTH=2, num_warps=4), id="G4-BT8-depth2"),
+    pytest.param(1, 260, 4, 64, 4, "paper", FP32, {"variant": "rows"}, id="rows-G4"),
+]
+
+
+@pytest.mark.parametrize("B, T, G, Dk, n, geometry, dtype, tiles", CASES)
+def test_kernel_matches_twin(B, T, G, Dk, n, geometry, dtype, tiles):
+    check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
+
+
+@pytest.mark.parametrize("tiles", [COLS, cols(BT=8, BS=8, DEPTH=1, num_warps=4)],
+                         ids=["default", "small"])
+def test_varlen(tiles):
+    """Packed documents: short, empty (1 token, no compressed token) and long ones."""
+    config = make_config(4, 64, 6)
+    cu = torch.tensor([0, 100, 101, 121, 700, 764, 900], dtype=torch.int32)
+    q, k_cmp, lse = make_inputs(1, 900, config, dtype=HALF, seed=2, device=DEVICE, cu_seqlens=cu)
+    got = run_kernel(q, k_cmp, lse, config, tiles, cu=cu)
+    want, scores = reference_selection(q, k_cmp, lse, config, cu_seqlens=cu)
+    assert_same_selection(got, want, scores, selection_tolerance(q, k_cmp, lse, config))
+    assert got[0, :, 100].tolist() == [[0, -1, -1, -1, -1, -1]] * config.n_kv_heads
+
+
+@pytest.mark.parametrize("variant", ["rows", "cols"])
+def test_exact_ties_and_empty(variant):
+    """q = 0, lse = 0: p = 1 on every visible block, interior blocks tie exactly and the lowest
+    ids win; T < l: no compressed token, only block 0. Both equal the twin exactly."""
+    config = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=16, n_selected=5)
+    T = 1024
+    q = torch.zeros(1, T, 4, 16, device=DEVICE)
+    k_cmp = torch.randn(1, num_cmp_blocks(T, config), 2, 16, device=DEVICE)
+    lse = torch.zeros(1, 4, T, device=DEVICE)
+    got = run_kernel(q, k_cmp, lse, config, {"variant": variant})
+    assert got[0, :, T - 1].tolist() == [[0, 1, 2, 14, 15]] * 2
+    assert torch.equal(got, select_blocks_torch(q, k_cmp, lse, config))
+    q, k_cmp, lse = torch.randn(1, 20, 4, 16), torch.empty(1, 0, 2, 16), torch.full((1, 4, 20), -math.inf)
+    got = run_kernel(q.to(DEVICE), k_cmp.to(DEVICE), lse.to(DEVICE), config, {"variant": variant})
+    assert got.tolist() == [[[[0, -1, -1, -1, -1]] * 20] * 2]
+
+
+def test_hand_computed_weights_and_group_sum():
+    """tests/test_ops_select.py's hand-worked case (weights 1,2,2,2,1, sum over the group's
+    heads, not a max): the last token selects [0, 3, 6, 7]."""
+    from test_ops_select import _hand_inputs
+
+    config = NSAConfig(n_heads=2, n_kv_heads=1, head_dim=32, n_selected=4)
+    p0, p1 = [1e-6] * 31, [1e-6] * 31
+    p0[11], p0[17], p1[13], p1[9] = 0.30, 0.20, 0.12, 0.05
+    q, k_cmp, lse = (x.to(DEVICE) for x in _hand_inputs([p0, p1], 512, config))
+    got = run_kernel(q, k_cmp, lse, config, COLS)
+    assert got[0, 0, 511].tolist() == [0, 3, 6, 7]
+
+
+def test_bad_variant():
+    config = make_config(2, 32, 4)
+    with pytest.raises(ValueError, match="unknown selection kernel variant"):
+        select_triton.launch_config(2, 32, 4, "diagonal")
+    q, k_cmp, lse = make_inputs(1, 64, config, device=DEVICE)
+    with pytest.raises(ValueError, match="unknown selection kernel variant"):
+        run_kernel(q, k_cmp, lse, config, {"variant": "diagonal"})
+
+
+G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, G, Dk, n, geometry, dtype, tiles", [
+    pytest.param(*G16, COLS, id="G16-D128"),
+    pytest.param(*G16, cols(BT=8, num_warps=4, num_stages=2), id="G16-D128-BT8-w4-stages2"),
+    pytest.param(*G16, cols(DEPTH=8, maxnreg=128, num_stages=2), id="G16-D128-depth8-maxnreg128"),
+    pytest.param(1, 4099, 16, 192, 16, "paper", torch.bfloat16, COLS, id="G16-D192"),
+    pytest.param(2, 3000, 4, 128, 32, "paper", torch.float16, COLS, id="G4-n32-fp16"),
+    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, cols(BT=16, num_warps=4), id="G4-BT16-w4"),
+    pytest.param(1, 5000, 1, 64, 5, "sel32", torch.bfloat16, COLS, id="G1-sel32"),
+])
+def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
+    """Settings bench/select_gpu.py times, on longer inputs (many tiles and merges)."""
+    check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
