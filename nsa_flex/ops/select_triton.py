@@ -166,19 +166,9 @@ def _program_table(cu: torch.Tensor, BT: int, n_blocks: int) -> tuple[torch.Tens
 if HAS_TRITON:
 
     @triton.jit
-    def _select_kernel(
-        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
-        T, Tc, n_blocks, Hkv, scale,
-        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b, so_h, so_t,
-        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-        R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, CMP_STRIDE: tl.constexpr,
-        CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr,
-        N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-        VARLEN: tl.constexpr, IEEE: tl.constexpr,
-    ):
-        BC: tl.constexpr = BS * RP
-        W: tl.constexpr = NSUB * BS
-        BIG: tl.constexpr = 2147483647
+    def _program_range(cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, T, Tc, n_blocks, Hkv,
+                       BT: tl.constexpr, VARLEN: tl.constexpr):
+        """(batch, kv head, first token, document token range [bos, eos), its compressed range) of this program."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = (pid_bh // Hkv).to(tl.int64)
@@ -200,6 +190,26 @@ if HAS_TRITON:
             eos = T
             cbos = 0
             clen = Tc
+        return b, h, tok0, bos, eos, cbos, clen
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _select_kernel(
+        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
+        T, Tc, n_blocks, Hkv, scale,
+        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b, so_h, so_t,
+        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+        R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, CMP_STRIDE: tl.constexpr,
+        CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr,
+        N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+        VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        BC: tl.constexpr = BS * RP
+        W: tl.constexpr = NSUB * BS
+        BIG: tl.constexpr = 2147483647
+        b, h, tok0, bos, eos, cbos, clen = _program_range(
+            cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, T, Tc, n_blocks, Hkv, BT, VARLEN)
 
         # Rows of the score tile: token-major, the G' heads of one token adjacent.
         r = tl.arange(0, BT * GP)
@@ -332,27 +342,8 @@ if HAS_TRITON:
         TH: tl.constexpr = BT // TL
         BIG: tl.constexpr = 2147483647
         LOG2E: tl.constexpr = 1.4426950408889634
-        pid_t = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // Hkv).to(tl.int64)
-        h = pid_bh % Hkv
-        if VARLEN:
-            doc = tl.load(prog_doc_ptr + pid_t)
-            tok0 = tl.load(prog_tok_ptr + pid_t)
-            # A spare program (doc -1) gets an empty token range and does nothing.
-            spare = doc < 0
-            doc = tl.maximum(doc, 0)
-            bos = tl.load(cu_ptr + doc)
-            eos = tl.where(spare, bos, tl.load(cu_ptr + doc + 1))
-            cbos = tl.load(cu_cmp_ptr + doc)
-            clen = tl.load(cu_cmp_ptr + doc + 1) - cbos
-        else:
-            # Later tokens do more work: start them first.
-            tok0 = (n_blocks - 1 - pid_t) * BT
-            bos = 0
-            eos = T
-            cbos = 0
-            clen = Tc
+        b, h, tok0, bos, eos, cbos, clen = _program_range(
+            cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, T, Tc, n_blocks, Hkv, BT, VARLEN)
         # Inductor may hand a float scalar in as fp64; keep the loop-carried tiles fp32.
         scale2 = tl.cast(scale * LOG2E, tl.float32)
 
