@@ -37,6 +37,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nsa_flex.bench.decode import graph_step_times
 from nsa_flex.blocks import sort_block_indices
 from nsa_flex.cache import NSACache
 from nsa_flex.compression import Compressor
@@ -162,30 +163,8 @@ def check(p: Problem) -> dict:
 
 
 def time_graph(fn, reset) -> float:
-    """Median GPU us per step over REPLAYS replays of a graph of STEPS calls."""
-    reset()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(STEPS):
-            fn()
-    times = []
-    for _ in range(REPLAYS):
-        reset()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / STEPS)
-    del graph
-    return round(statistics.median(times), 2)
+    """Median GPU us per step over REPLAYS runs of a graph of STEPS calls."""
+    return round(statistics.median(graph_step_times(fn, reset, steps=STEPS, reps=REPLAYS)) * 1e3, 2)
 
 
 def time_calls(fn, reset) -> float:

@@ -247,6 +247,15 @@ def _time_graph(fn, reset, cfg: DecodeBenchConfig) -> tuple[float, list[float]]:
     first_ms = (time.perf_counter() - start) * 1e3
     if cfg.device != "cuda":
         return first_ms, _host_times(fn, reset, cfg)
+    return first_ms, graph_step_times(fn, reset, steps=cfg.steps_per_graph, reps=cfg.reps, replays=cfg.replays)
+
+
+def graph_step_times(fn, reset, *, steps: int, reps: int, replays: int = 1) -> list[float]:
+    """ms per step of each of `reps` timed runs; a run replays a CUDA graph of `steps` calls `replays` times.
+
+    Warm-up on a side stream first (as graph capture needs); reset() restores the state
+    (cache lengths) before the capture and before every run.
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -256,19 +265,19 @@ def _time_graph(fn, reset, cfg: DecodeBenchConfig) -> tuple[float, list[float]]:
     reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(cfg.steps_per_graph):
+        for _ in range(steps):
             fn()
     times = []
-    for _ in range(cfg.reps):
+    for _ in range(reps):
         reset()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for _ in range(cfg.replays):
+        for _ in range(replays):
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(begin.elapsed_time(end) / (cfg.replays * cfg.steps_per_graph))
-    return first_ms, times
+        times.append(begin.elapsed_time(end) / (replays * steps))
+    return times
 
 
 def _time_calls(fn, reset, cfg: DecodeBenchConfig) -> tuple[float, list[float]]:
