@@ -117,6 +117,10 @@ def test_flex_tiles_validate():
         FlexTiles(sel_q_block=24)
     with pytest.raises(ValueError, match="cmp_block"):
         FlexTiles(cmp_block=(128, 8))
+    with pytest.raises(ValueError, match="max_chunks=3: must be a power of two >= 1"):
+        FlexTiles(max_chunks=3)
+    with pytest.raises(ValueError, match="min_chunk_rows=0: must be >= 1"):
+        FlexTiles(min_chunk_rows=0)
 
 
 # ---------------------------------------------------------------- masks
