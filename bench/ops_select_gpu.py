@@ -128,13 +128,15 @@ def bench_shape(T, Hq, Hkv, Dk, dtype, config) -> Row:
 
 
 def sweep(T, Hq, Hkv, Dk, dtype, config, settings) -> list[dict]:
-    """Times of tile settings (score rows per program, BS, NSUB, warps) at one shape."""
+    """Times of tile settings (tokens per program BT, BS, DEPTH, warps, stages) at one shape.
+
+    bench/select_gpu.py compares settings in more detail (equality to the twin, near-ties).
+    """
     q, k_cmp, lse = make_inputs(T, Hq, Hkv, Dk, dtype, config)
-    G = Hq // Hkv
     default = select_blocks(q, k_cmp, lse, config)
     out = []
-    for rows, BS, NSUB, warps in settings:
-        tiles = {"BT": max(1, rows // G), "BS": BS, "NSUB": NSUB, "num_warps": warps, "num_stages": 2}
+    for BT, BS, DEPTH, warps, stages in settings:
+        tiles = {"BT": BT, "BS": BS, "DEPTH": DEPTH, "num_warps": warps, "num_stages": stages}
 
         def run():
             return select_triton.select_blocks_triton(q, k_cmp, lse, None, None, Dk ** -0.5, config, tiles)
@@ -200,11 +202,12 @@ def main() -> None:
     print("flex lse:", result["flex_lse"])
     save()
     if args.sweep:
+        # The first of each: launch_config's tiles.
         result["sweep_g16_64k"] = sweep(65536, 64, 4, 128, torch.bfloat16, config, [
-            (128, 16, 16, 8), (256, 16, 16, 8), (128, 32, 8, 8), (64, 16, 16, 4), (256, 32, 8, 8)])
+            (8, 16, 4, 4, 2), (8, 16, 4, 4, 3), (16, 16, 4, 8, 3), (8, 32, 4, 4, 2), (4, 16, 4, 4, 2)])
         save()
         result["sweep_g4_64k"] = sweep(65536, 16, 4, 128, torch.bfloat16, config, [
-            (128, 16, 8, 8), (64, 16, 16, 4), (128, 32, 4, 8), (256, 16, 4, 8)])
+            (16, 16, 4, 4, 2), (16, 16, 4, 4, 3), (32, 16, 4, 8, 3), (8, 16, 4, 4, 2)])
         save()
 
 

@@ -1,15 +1,15 @@
-"""Time the selection kernels of nsa_flex/ops/select_triton.py against each other on a GPU.
+"""Time launch settings of the selection kernel (nsa_flex/ops/select_triton.py) on a GPU.
 
-    PYTHONPATH=. python3 bench/select_gpu.py --out bench/results/select_variants_h200.json
+    PYTHONPATH=. python3 bench/select_gpu.py --out bench/results/select_tiles_h200.json
 
 Shapes: T = 16384 and 65536 with G = 16 (Hq = 64, Hkv = 4), and T = 65536 with G = 4
 (Hq = 16); Dk = 128, bf16, the paper's geometry (NSAConfig()). For each shape and launch
-setting (the tiles of select_blocks_triton; "rows" is the kernel the op runs today, with its
-defaults): the fraction of (kv head, token) rows equal to the "rows" kernel's and to the torch
-twin's, the rows that differ from the twin checked to be near-ties against fp64 importance
-(tests/select_checks.py), the time of the first call (compile included), then the median time
-of one call (triton.testing.do_bench). The JSON is rewritten after every setting, so a run cut
-short keeps what it measured; a Markdown table is printed at the end.
+setting (the tiles of select_blocks_triton over launch_config's; "default" is what the op runs,
+timed first as the reference): the fraction of (kv head, token) rows equal to the default's and
+to the torch twin's, the rows that differ from the twin checked to be near-ties against fp64
+importance (tests/select_checks.py), the time of the first call (compile included), then the
+median time of one call (triton.testing.do_bench). The JSON is rewritten after every setting,
+so a run cut short keeps what it measured; a Markdown table is printed at the end.
 """
 
 from __future__ import annotations
@@ -30,37 +30,35 @@ from select_checks import assert_same_selection  # noqa: E402  (ops_select_gpu p
 from nsa_flex.config import NSAConfig  # noqa: E402
 from nsa_flex.ops import select_blocks_torch, select_triton  # noqa: E402
 
-ROWS = {"variant": "rows"}
-COLS = {"variant": "cols"}
-BT8 = {**COLS, "BT": 8, "num_warps": 4}
-BT16 = {**COLS, "BT": 16, "num_warps": 4}
-# Per shape (T, Hq): named launch settings, "rows" first (the reference for equality and speed).
-# cols defaults: G=16 -> BT=16 (256 columns), G=4 -> BT=32 (128 columns); 8 warps, 3 stages.
-# From sm_90 builds made without a GPU (Triton 3.6), registers / shared memory: cols G=16
-# 173 / 115 KB (one program per SM); maxnreg=128 with 2 stages 99 KB, two per SM (spills);
-# BT=8 with 4 warps 168 / 82 KB (two per SM), 66 KB with 2 stages (three per SM); G=4 cols
-# 169 / 84 KB, maxnreg=128 without spills (two per SM); BT=16 with 4 warps 168 / 67 KB (three).
-# With 2 stages Triton issues the next tile's copy at the end of an iteration and waits for it
-# at the start of the next: "rows stages3" measures what that costs the current kernel.
-# DEPTH=8 halves the merges on random inputs (3 against 7 over 64 tiles in a simulation).
+DEFAULT = {}
+BT16_W8 = {"BT": 16, "num_warps": 8, "num_stages": 3}
+BT32_W8 = {"BT": 32, "num_warps": 8, "num_stages": 3}
+# Per shape (T, Hq): named launch settings, "default" first (the reference for equality and
+# speed). Defaults: G=16 -> BT=8 (128 columns), G=4 -> BT=16 (64 columns); 4 warps, 2 stages
+# (bench/results/2026-11-22_h200_select_variants.json); the alternatives are earlier defaults
+# and the runners-up there. From sm_90 builds made without a GPU (Triton 3.6), registers /
+# shared memory: G=16 BT=8 w4 168 / 66 KB with 2 stages (three programs per SM), 82 KB with 3
+# (two); BT=16 w8 stages3 about 170 / 115 KB (one), with maxnreg=128 and 2 stages 99 KB (two,
+# spills); G=4 BT=32 w8 169 / 84 KB, maxnreg=128 without spills (two). With 2 stages Triton 3.6
+# issues the next tile's copy at the end of an iteration and waits for it at the start of the
+# next: "stages3" measures what that costs. DEPTH=8 halves the merges on random inputs (3
+# against 7 over 64 tiles in a simulation).
 SETTINGS = {
-    (16384, 64): {"rows": ROWS, "cols": COLS, "cols BT8 w4 stages2": {**BT8, "num_stages": 2}},
+    (16384, 64): {"default": DEFAULT, "stages3": {"num_stages": 3}, "BT16 w8 stages3": BT16_W8},
     (65536, 64): {
-        "rows": ROWS,
-        "rows stages3": {**ROWS, "num_stages": 3},
-        "cols": COLS,
-        "cols stages2": {**COLS, "num_stages": 2},
-        "cols maxnreg128 stages2": {**COLS, "maxnreg": 128, "num_stages": 2},
-        "cols DEPTH8": {**COLS, "DEPTH": 8},
-        "cols BT8 w4": BT8,
-        "cols BT8 w4 stages2": {**BT8, "num_stages": 2},
+        "default": DEFAULT,
+        "stages3": {"num_stages": 3},
+        "maxnreg128": {"maxnreg": 128},
+        "DEPTH8": {"DEPTH": 8},
+        "BT16 w8 stages3": BT16_W8,
+        "BT16 w8 maxnreg128 stages2": {**BT16_W8, "maxnreg": 128, "num_stages": 2},
     },
     (65536, 16): {
-        "rows": ROWS,
-        "cols": COLS,
-        "cols maxnreg128": {**COLS, "maxnreg": 128},
-        "cols BT16 w4": BT16,
-        "cols BT16 w4 stages2": {**BT16, "num_stages": 2},
+        "default": DEFAULT,
+        "stages3": {"num_stages": 3},
+        "maxnreg128": {"maxnreg": 128},
+        "BT32 w8 stages3": BT32_W8,
+        "BT32 w8 stages3 maxnreg128": {**BT32_W8, "maxnreg": 128},
     },
 }
 
@@ -74,9 +72,9 @@ class Row:
     tiles: dict
     ms: float | None = None
     score_tflops: float | None = None
-    speedup_vs_rows: float | None = None
+    speedup_vs_default: float | None = None
     first_call_s: float | None = None
-    rows_equal_rows_kernel: float | None = None
+    rows_equal_default: float | None = None
     rows_equal_twin: float | None = None
     rows_differ_twin: int | None = None
     near_ties_ok: bool | None = None
@@ -96,14 +94,14 @@ def fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def bench_setting(q, k_cmp, lse, config, name, tiles, twin, rows_out) -> tuple[Row, torch.Tensor | None]:
+def bench_setting(q, k_cmp, lse, config, name, tiles, twin, default_out) -> tuple[Row, torch.Tensor | None]:
     """The setting's Row and its indices (None if it failed to run)."""
     import triton
 
     T, Hq, Dk = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k_cmp.shape[2]
-    # The settings in full: launch_config's defaults for the variant, overridden by tiles.
-    full = {**select_triton.launch_config(G, Dk, config.n_selected, tiles["variant"]), **tiles}
+    # The settings in full: launch_config's defaults, overridden by tiles.
+    full = {**select_triton.launch_config(G, Dk, config.n_selected), **tiles}
     row = Row(T, Hq, k_cmp.shape[2], name, full)
 
     def run():
@@ -117,8 +115,8 @@ def bench_setting(q, k_cmp, lse, config, name, tiles, twin, rows_out) -> tuple[R
     except Exception as e:  # a setting that fails to compile or run is reported, not fatal
         row.error = f"{type(e).__name__}: {str(e)[:300]}"
         return row, None
-    if rows_out is not None:
-        row.rows_equal_rows_kernel = 1.0 - (got != rows_out).any(-1).float().mean().item()
+    if default_out is not None:
+        row.rows_equal_default = 1.0 - (got != default_out).any(-1).float().mean().item()
     row.rows_differ_twin = int((got != twin).any(-1).sum())
     row.rows_equal_twin = 1.0 - row.rows_differ_twin / (got.shape[1] * got.shape[2])
     try:
@@ -151,25 +149,25 @@ def main() -> None:
         start = time.perf_counter()
         twin = select_blocks_torch(q, k_cmp, lse, config)
         print(f"T={T} Hq={Hq}: twin {time.perf_counter() - start:.1f} s", flush=True)
-        rows_out = base_ms = None
+        default_out = base_ms = None
         for name, tiles in SETTINGS[(T, Hq)].items():
-            row, got = bench_setting(q, k_cmp, lse, config, name, tiles, twin, rows_out)
-            if name == "rows":
-                rows_out = got
+            row, got = bench_setting(q, k_cmp, lse, config, name, tiles, twin, default_out)
+            if name == "default":
+                default_out = got
                 base_ms = row.ms
             if row.ms is not None and base_ms:
-                row.speedup_vs_rows = base_ms / row.ms
+                row.speedup_vs_default = base_ms / row.ms
             rows.append(row)
             result["rows"].append(dataclasses.asdict(row))
             print(row, flush=True)
             save()
-        del q, k_cmp, lse, twin, rows_out
+        del q, k_cmp, lse, twin, default_out
         torch.cuda.empty_cache()
-    print("| T | Hq/Hkv | setting | ms | x rows | score TFLOP/s | = rows kernel | = twin | near-ties ok | error |")
+    print("| T | Hq/Hkv | setting | ms | x default | score TFLOP/s | = default | = twin | near-ties ok | error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.T} | {r.Hq}/{r.Hkv} | {r.setting} | {fmt(r.ms, '.3f')} | {fmt(r.speedup_vs_rows, '.2f')} | "
-              f"{fmt(r.score_tflops, '.0f')} | {fmt(r.rows_equal_rows_kernel, '.6f')} | "
+        print(f"| {r.T} | {r.Hq}/{r.Hkv} | {r.setting} | {fmt(r.ms, '.3f')} | {fmt(r.speedup_vs_default, '.2f')} | "
+              f"{fmt(r.score_tflops, '.0f')} | {fmt(r.rows_equal_default, '.6f')} | "
               f"{fmt(r.rows_equal_twin, '.6f')} | {r.near_ties_ok} | {r.error or ''} |")
 
 

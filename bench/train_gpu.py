@@ -166,8 +166,8 @@ def run_throughput(args, work: Path, rows: list, save) -> None:
 
 
 def run_precision(args, work: Path, rows: list, save) -> None:
-    for precision in ("bf16", "fp16"):
-        row = PrecisionRow(precision, args.precision_steps)
+    for precision, steps in (("bf16", args.precision_steps), ("fp16", args.fp16_steps or args.precision_steps)):
+        row = PrecisionRow(precision, steps)
         rows.append(row)
         if over_budget(args, row):
             save()
@@ -176,9 +176,8 @@ def run_precision(args, work: Path, rows: list, save) -> None:
         try:
             fresh_gpu()
             # Count every non-finite step instead of aborting at the default 5 in a row.
-            cfg = build_config({}, settings("nsa", 2048, 16, args.precision_steps, out_dir, precision=precision,
-                                            nonfinite_limit=args.precision_steps + 1, lr=args.lr,
-                                            warmup_steps=args.precision_steps // 10))
+            cfg = build_config({}, settings("nsa", 2048, 16, steps, out_dir, precision=precision,
+                                            nonfinite_limit=steps + 1, lr=args.lr, warmup_steps=steps // 10))
             result = train(cfg, callback=Printer(f"nsa {precision}"))
             row.nonfinite_steps, row.final_loss = result.nonfinite_steps, result.losses[-1]
         except Exception:
@@ -293,7 +292,8 @@ def main() -> None:
     p.add_argument("--seq-lens", default="2048,8192,32768", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--warmup", type=int, default=3, help="Untimed steps (the first compiles).")
     p.add_argument("--timed", type=int, default=20)
-    p.add_argument("--precision-steps", type=int, default=100)
+    p.add_argument("--precision-steps", type=int, default=100, help="Steps of the bf16 run (and fp16's by default).")
+    p.add_argument("--fp16-steps", type=int, default=None, help="Steps of the fp16 + GradScaler run.")
     p.add_argument("--curve-steps", type=int, default=300)
     p.add_argument("--curve-seq-len", type=int, default=2048)
     p.add_argument("--curve-batch", type=int, default=16)

@@ -25,6 +25,7 @@ from nsa_flex.masks import (
     selection_block_mask,
     selection_mask_mod,
     window_block_mask,
+    window_widths,
     window_mask_mod,
 )
 from nsa_flex.masks.documents import documents
@@ -180,7 +181,7 @@ def test_compressed_block_mask(T):
                            reference_bm.to_dense().bool())
 
 
-@pytest.mark.parametrize("T,G", [(200, 4), (77, 16), (130, 3)])
+@pytest.mark.parametrize("T,G", [(200, 4), (77, 16), (130, 3), (1500, 4), (700, 16)])
 def test_folded_interval_masks(T, G):
     """Compressed and window masks over folded rows (t*G + g) equal the plain ones repeated G times."""
     cfg = small_config(G, 16, 16)
@@ -195,12 +196,17 @@ def test_folded_interval_masks(T, G):
         assert torch.equal(create_mask(bm.mask_mod, None, None, T * G, dense.shape[-1], "cpu"), dense)
 
 
-@pytest.mark.parametrize("T,window", [(1, 4), (300, 128), (1000, 512), (513, 100)])
+@pytest.mark.parametrize("T,window", [(1, 4), (300, 128), (1000, 512), (513, 100), (5000, 512), (3001, 100)])
 def test_window_block_mask(T, window):
     t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
     dense = ((s <= t) & (t - s < window))[None, None]
     bm = window_block_mask(T, window, "cpu", (128, 128))
     check_block_mask(bm, dense)
+    # Lists cut to the geometry's bounds (window_widths): a few blocks, not all of them.
+    n_blocks = -(-T // 128)
+    kv_width, q_width = window_widths(window, (128, 128))
+    assert bm.kv_indices.shape[-1] == min(kv_width, n_blocks)
+    assert bm.q_indices.shape[-1] == bm.full_q_indices.shape[-1] == min(q_width, n_blocks)
     assert torch.equal(create_mask(window_mask_mod(window), None, None, T, T, "cpu"), dense)
     reference_bm = create_block_mask(window_mask_mod(window), None, None, T, T, "cpu", BLOCK_SIZE=128)
     n_kv = -(-T // 128)

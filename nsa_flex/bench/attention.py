@@ -55,10 +55,14 @@ class Defaults:
 
 
 DEFAULTS = {
-    # Check at 2048 > n * l' = 1024, so the selection really selects.
+    # Check at 2048 > n * l' = 1024, so the selection really selects. nsa-flex runs with each
+    # Flex call compiled and the glue eager: the whole op under torch.compile(fullgraph=True)
+    # ran the 16k forward in 10 ms against about 13, but took 49 s to compile the forward and
+    # over 110 s more for forward+backward, per T and mode, on an H200 with torch 2.11
+    # (bench/results/2026-11-22_h200_compile_probe.json): --compile measures it.
     "cuda": Defaults("bench", (8192, 16384, 32768, 65536),
                      ("nsa-flex", "dense-cudnn", "dense-flash", "flex-dense", "fla", "lucidrains"),
-                     "bf16", 3, 10, 2048, True),
+                     "bf16", 3, 10, 2048, False),
     # CPU flex runs eagerly by design (nsa_flex.flex): nothing to compile there.
     "cpu": Defaults("tiny", (256, 512), ("reference", "nsa-flex", "dense"), "fp32", 1, 3, 256, False),
 }
@@ -85,7 +89,7 @@ class AttentionBenchConfig:
     """T of the correctness check before timing; 0 skips it."""
     module_dim: int = 1024
     """Model width of the module rows (nsa-flex-module, lucidrains)."""
-    compile: bool = True
+    compile: bool = False
     """nsa-flex runs as one torch.compile(fullgraph=True) graph; off: eager glue around compiled flex."""
     seed: int = 0
     left_out: tuple[str, ...] = ()

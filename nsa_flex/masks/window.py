@@ -39,4 +39,20 @@ def window_block_mask(T: int, window: int, device, block_size=(128, 128), G: int
         return start if docs is None else torch.maximum(start, docs.q_start[t])
 
     return interval_block_mask(T * G, T, lo, lambda rows: rows // G, block_size,
-                               window_mask_mod(window, G, docs), device)
+                               window_mask_mod(window, G, docs), device, widths=window_widths(window, block_size, G))
+
+
+def window_widths(window: int, block_size: tuple[int, int], G: int = 1) -> tuple[int, int]:
+    """Most kv blocks one query tile sees, and most query tiles that see one kv block.
+
+    A tile of qbs folded rows spans at most ceil(qbs / G) tokens (plus one when G does not
+    divide qbs) and sees the w - 1 keys before its first token: that many keys touch at most
+    ceil(keys / kbs) + 1 kv blocks. A kv block of kbs keys is seen by kbs + w - 1 tokens, i.e.
+    (kbs + w - 1) * G rows, which touch at most ceil(rows / qbs) + 1 tiles. Documents only
+    shorten windows, so the bounds hold for them too.
+    """
+    qbs, kbs = block_size
+    tokens = -(-qbs // G) + 1
+    kv_side = -(-(tokens + window - 1) // kbs) + 1
+    q_side = -(-((kbs + window - 1) * G) // qbs) + 1
+    return kv_side, q_side

@@ -127,7 +127,8 @@ def _compact(x: torch.Tensor, keep: torch.Tensor, width: int, big: int) -> tuple
 
 
 def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, int], mask_mod,
-                        device, *, chunks: int = 1, heads: int = 1) -> BlockMask:
+                        device, *, chunks: int = 1, heads: int = 1,
+                        widths: tuple[int | None, int | None] = (None, None)) -> BlockMask:
     """BlockMask of a mask where query t sees only keys in [lo(t), hi(t)] (hi < lo: none).
 
     lo and hi map the int64 tensor arange(q_len) to key positions. A kv block is listed for
@@ -142,6 +143,13 @@ def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, 
     (head h * chunks + c = rows c * q_len / chunks ...). The mask is then [1, heads * chunks,
     q_len / chunks, kv_len] and its mask_mod maps a chunk's row back to the full row. See
     `query_chunks` for why. q_len must be a multiple of chunks * block_size[0].
+
+    widths = (kv-side, q-side): static bounds on the kv blocks one query tile lists and the
+    query tiles one kv block lists, when the caller knows them (the window: a few blocks).
+    The lists are cut to that width. Besides memory, this matters to Inductor: when it
+    autotunes the flex backward it benchmarks on fake masks in which every list is full to
+    its width, so a full-width q side makes the window's benchmark dense attention, O(T^2)
+    (torch/_inductor/kernel/flex/common.py, create_num_blocks_fake_generator).
     """
     qbs, kbs = block_size
     n_q, n_kv = -(-q_len // qbs), max(1, -(-kv_len // kbs))
@@ -173,11 +181,17 @@ def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, 
         return g.reshape(1, heads * chunks, n_q // chunks, n_kv)
 
     partial, full = per_head(partial), per_head(full)
-    kv, full_kv = grid_to_ordered(partial), grid_to_ordered(full)
-    q, full_q = grid_to_ordered(partial.transpose(-1, -2)), grid_to_ordered(full.transpose(-1, -2))
+    kv, full_kv = (_narrow(grid_to_ordered(g), widths[0]) for g in (partial, full))
+    q, full_q = (_narrow(grid_to_ordered(g.transpose(-1, -2)), widths[1]) for g in (partial, full))
     if chunks > 1:
         mask_mod = chunked_mask_mod(mask_mod, chunks, q_len // chunks)
     return make_block_mask((q_len // chunks, kv_len), kv, full_kv, q, full_q, block_size, mask_mod)
+
+
+def _narrow(lists: tuple[torch.Tensor, torch.Tensor], width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num, idx) with idx cut to `width` columns; the caller guarantees num <= width."""
+    num, idx = lists
+    return (num, idx) if width is None or width >= idx.shape[-1] else (num, idx[..., :width])
 
 
 def chunked_mask_mod(mask_mod, chunks: int, chunk_rows: int):

@@ -1,11 +1,12 @@
-"""The selection kernels of nsa_flex/ops/select_triton.py, each variant against the torch twin
-and nsa_flex.reference.select_blocks.
+"""The selection kernel of nsa_flex/ops/select_triton.py against the torch twin and
+nsa_flex.reference.select_blocks, with launch_config's tiles and with others.
 
 Run on CUDA (marked gpu) or, on a CPU machine, under Triton's interpreter (TRITON_INTERPRET=1
 set before Python starts, Triton installed; skipped otherwise). A kernel's selection must equal
 the twin's up to near-ties that fp32 rounding may order either way
 (select_checks.assert_same_selection against fp64 importance); hand-built cases compare exactly.
-Small tiles (tiles=...) force many programs, tiles and queue merges on small inputs.
+Small tiles (tiles=...) force many programs, tiles and queue merges on small inputs; the cases
+with DEFAULT run launch_config's tiles (G=16: BT=8 and 4 warps, also at Dk=192).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _interpreting() -> bool:
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(select_triton._select_kernel_cols, InterpretedFunction)
+    return isinstance(select_triton._select_kernel, InterpretedFunction)
 
 
 def _device() -> str | None:
@@ -86,32 +87,30 @@ def check(B, T, G, Dk, n, geometry, dtype, tiles, seed=0):
     assert_same_selection(got, want, scores, tol)
 
 
-COLS = {"variant": "cols"}
-
-
-def cols(**tiles):
-    return {**COLS, **tiles}
+DEFAULT = {}
 
 
 # (B, T, G, Dk, n, geometry, dtype, tiles): G' = 1..16 (3 padded to 4), head dims 32 to 192
-# (192 pads to 256), T not a multiple of 64, the four geometries. A tile of BS selection blocks
-# spans BS * l' tokens: BS = 4 or 8 gives several tiles (the C1 carry, tiles every token sees
-# whole) on short inputs; DEPTH = 1 merges at every join.
+# (192 pads to 256), T not a multiple of 64, the four geometries. DEFAULT: launch_config's tiles
+# (BT = 16 for G <= 8, 8 for G = 16; BS = 16, or 32 for n = 32); a larger BT keeps the longer
+# cases quick under the interpreter. A tile of BS selection blocks spans BS * l' tokens: BS = 4
+# or 8 gives several tiles (the C1 carry, tiles every token sees whole) on short inputs;
+# DEPTH = 1 merges at every join.
 CASES = [
-    pytest.param(2, 200, 1, 64, 4, "paper", FP32, COLS, id="G1-D64-fp32"),
-    pytest.param(1, 2100, 1, 32, 4, "paper", HALF, COLS, id="G1-T2100"),
-    pytest.param(2, 333, 4, 128, 6, "paper", HALF, COLS, id="G4-D128-half"),
-    pytest.param(1, 700, 16, 64, 4, "paper", HALF, cols(BS=4), id="G16-D64-BS4-half"),
-    pytest.param(1, 300, 16, 192, 5, "paper", FP32, COLS, id="G16-D192-fp32"),
-    pytest.param(1, 460, 3, 64, 4, "no_overlap", FP32, cols(BS=4), id="G3-no_overlap-BS4"),
-    pytest.param(1, 600, 2, 32, 3, "sel32", HALF, cols(BS=8), id="G2-sel32-BS8"),
-    pytest.param(1, 500, 8, 64, 4, "long_cmp", FP32, cols(BS=4), id="G8-long_cmp-BS4"),
-    pytest.param(1, 700, 4, 64, 32, "paper", HALF, COLS, id="G4-n32"),
-    pytest.param(1, 700, 4, 64, 4, "unforced", HALF, cols(BS=4), id="G4-unforced-BS4"),
-    pytest.param(1, 500, 2, 64, 4, "sel48", FP32, cols(BS=4), id="G2-sel48-BS4"),
-    pytest.param(1, 420, 16, 64, 4, "paper", FP32, cols(BT=4, BS=4, DEPTH=1, num_warps=4), id="G16-BT4-depth1"),
-    pytest.param(2, 420, 4, 128, 5, "paper", HALF, cols(BT=8, BS=8, DEPTH=2, num_warps=4), id="G4-BT8-depth2"),
-    pytest.param(1, 260, 4, 64, 4, "paper", FP32, {"variant": "rows"}, id="rows-G4"),
+    pytest.param(2, 200, 1, 64, 4, "paper", FP32, DEFAULT, id="G1-D64-fp32"),
+    pytest.param(1, 2100, 1, 32, 4, "paper", HALF, dict(BT=32), id="G1-T2100-BT32"),
+    pytest.param(2, 333, 4, 128, 6, "paper", HALF, DEFAULT, id="G4-D128-half"),
+    pytest.param(1, 700, 16, 64, 4, "paper", HALF, dict(BT=16, BS=4), id="G16-D64-BT16-BS4-half"),
+    pytest.param(1, 300, 16, 192, 5, "paper", FP32, DEFAULT, id="G16-D192-fp32"),
+    pytest.param(1, 200, 16, 128, 4, "paper", HALF, DEFAULT, id="G16-D128-half"),
+    pytest.param(1, 460, 3, 64, 4, "no_overlap", FP32, dict(BS=4), id="G3-no_overlap-BS4"),
+    pytest.param(1, 600, 2, 32, 3, "sel32", HALF, dict(BS=8), id="G2-sel32-BS8"),
+    pytest.param(1, 500, 8, 64, 4, "long_cmp", FP32, dict(BS=4), id="G8-long_cmp-BS4"),
+    pytest.param(1, 700, 4, 64, 32, "paper", HALF, dict(BT=32), id="G4-n32-BT32"),
+    pytest.param(1, 700, 4, 64, 4, "unforced", HALF, dict(BS=4), id="G4-unforced-BS4"),
+    pytest.param(1, 500, 2, 64, 4, "sel48", FP32, dict(BS=4), id="G2-sel48-BS4"),
+    pytest.param(1, 420, 16, 64, 4, "paper", FP32, dict(BT=4, BS=4, DEPTH=1), id="G16-BT4-depth1"),
+    pytest.param(2, 420, 4, 128, 5, "paper", HALF, dict(BT=8, BS=8, DEPTH=2), id="G4-BT8-depth2"),
 ]
 
 
@@ -120,7 +119,7 @@ def test_kernel_matches_twin(B, T, G, Dk, n, geometry, dtype, tiles):
     check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
 
 
-@pytest.mark.parametrize("tiles", [COLS, cols(BT=8, BS=8, DEPTH=1, num_warps=4)],
+@pytest.mark.parametrize("tiles", [DEFAULT, dict(BT=8, BS=8, DEPTH=1)],
                          ids=["default", "small"])
 def test_varlen(tiles):
     """Packed documents: short, empty (1 token, no compressed token) and long ones."""
@@ -133,20 +132,20 @@ def test_varlen(tiles):
     assert got[0, :, 100].tolist() == [[0, -1, -1, -1, -1, -1]] * config.n_kv_heads
 
 
-@pytest.mark.parametrize("variant", ["rows", "cols"])
-def test_exact_ties_and_empty(variant):
+@pytest.mark.parametrize("tiles", [DEFAULT, dict(BS=8, DEPTH=1)], ids=["default", "BS8-depth1"])
+def test_exact_ties_and_empty(tiles):
     """q = 0, lse = 0: p = 1 on every visible block, interior blocks tie exactly and the lowest
-    ids win; T < l: no compressed token, only block 0. Both equal the twin exactly."""
+    ids win; T < l: no compressed token, only block 0. Each equals the twin exactly."""
     config = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=16, n_selected=5)
     T = 1024
     q = torch.zeros(1, T, 4, 16, device=DEVICE)
     k_cmp = torch.randn(1, num_cmp_blocks(T, config), 2, 16, device=DEVICE)
     lse = torch.zeros(1, 4, T, device=DEVICE)
-    got = run_kernel(q, k_cmp, lse, config, {"variant": variant})
+    got = run_kernel(q, k_cmp, lse, config, tiles)
     assert got[0, :, T - 1].tolist() == [[0, 1, 2, 14, 15]] * 2
     assert torch.equal(got, select_blocks_torch(q, k_cmp, lse, config))
     q, k_cmp, lse = torch.randn(1, 20, 4, 16), torch.empty(1, 0, 2, 16), torch.full((1, 4, 20), -math.inf)
-    got = run_kernel(q.to(DEVICE), k_cmp.to(DEVICE), lse.to(DEVICE), config, {"variant": variant})
+    got = run_kernel(q.to(DEVICE), k_cmp.to(DEVICE), lse.to(DEVICE), config, tiles)
     assert got.tolist() == [[[[0, -1, -1, -1, -1]] * 20] * 2]
 
 
@@ -159,17 +158,25 @@ def test_hand_computed_weights_and_group_sum():
     p0, p1 = [1e-6] * 31, [1e-6] * 31
     p0[11], p0[17], p1[13], p1[9] = 0.30, 0.20, 0.12, 0.05
     q, k_cmp, lse = (x.to(DEVICE) for x in _hand_inputs([p0, p1], 512, config))
-    got = run_kernel(q, k_cmp, lse, config, COLS)
+    got = run_kernel(q, k_cmp, lse, config, DEFAULT)
     assert got[0, 0, 511].tolist() == [0, 3, 6, 7]
 
 
-def test_bad_variant():
+def test_launch_config_defaults():
+    """The measured tiles (see launch_config): 128 score columns, at most 16 tokens, 4 warps, 2 stages."""
+    for G, BT in [(1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 8)]:
+        for Dk in (64, 128, 192):
+            assert select_triton.launch_config(G, Dk, 16) == {
+                "BT": BT, "BS": 16, "DEPTH": 4, "num_warps": 4, "num_stages": 2}
+    assert select_triton.launch_config(4, 128, 32)["BS"] == 32
+
+
+def test_unknown_tile_key():
     config = make_config(2, 32, 4)
-    with pytest.raises(ValueError, match="unknown selection kernel variant"):
-        select_triton.launch_config(2, 32, 4, "diagonal")
     q, k_cmp, lse = make_inputs(1, 64, config, device=DEVICE)
-    with pytest.raises(ValueError, match="unknown selection kernel variant"):
-        run_kernel(q, k_cmp, lse, config, {"variant": "diagonal"})
+    allowed = r"unknown selection tile keys \['NSUB', 'variant'\]; allowed: BT, BS, DEPTH, num_warps"
+    with pytest.raises(ValueError, match=allowed):
+        run_kernel(q, k_cmp, lse, config, {"variant": "cols", "NSUB": 4, "BT": 8})
 
 
 G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
@@ -177,13 +184,14 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, G, Dk, n, geometry, dtype, tiles", [
-    pytest.param(*G16, COLS, id="G16-D128"),
-    pytest.param(*G16, cols(BT=8, num_warps=4, num_stages=2), id="G16-D128-BT8-w4-stages2"),
-    pytest.param(*G16, cols(DEPTH=8, maxnreg=128, num_stages=2), id="G16-D128-depth8-maxnreg128"),
-    pytest.param(1, 4099, 16, 192, 16, "paper", torch.bfloat16, COLS, id="G16-D192"),
-    pytest.param(2, 3000, 4, 128, 32, "paper", torch.float16, COLS, id="G4-n32-fp16"),
-    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, cols(BT=16, num_warps=4), id="G4-BT16-w4"),
-    pytest.param(1, 5000, 1, 64, 5, "sel32", torch.bfloat16, COLS, id="G1-sel32"),
+    pytest.param(*G16, DEFAULT, id="G16-D128"),
+    pytest.param(*G16, dict(BT=16, num_warps=8, num_stages=3), id="G16-D128-BT16-w8-stages3"),
+    pytest.param(*G16, dict(BT=16, num_warps=8, DEPTH=8, maxnreg=128), id="G16-D128-BT16-w8-depth8-maxnreg128"),
+    pytest.param(1, 4099, 16, 192, 16, "paper", torch.bfloat16, DEFAULT, id="G16-D192"),
+    pytest.param(2, 3000, 4, 128, 32, "paper", torch.float16, DEFAULT, id="G4-n32-fp16"),
+    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(BT=32, num_warps=8, maxnreg=128),
+                 id="G4-BT32-w8-maxnreg128"),
+    pytest.param(1, 5000, 1, 64, 5, "sel32", torch.bfloat16, DEFAULT, id="G1-sel32"),
 ])
 def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
     """Settings bench/select_gpu.py times, on longer inputs (many tiles and merges)."""
