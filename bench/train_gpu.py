@@ -74,6 +74,8 @@ class PrecisionRow:
     final_loss: float = math.nan
     final_scale: float | None = None
     aborted: str | None = None
+    losses: list | None = None
+    """Every step's loss: the bf16 run is the NSA curve of --mode curve's settings (same data, lr, seed)."""
     error: str | None = None
 
 
@@ -179,7 +181,7 @@ def run_precision(args, work: Path, rows: list, save) -> None:
             cfg = build_config({}, settings("nsa", 2048, 16, steps, out_dir, precision=precision,
                                             nonfinite_limit=steps + 1, lr=args.lr, warmup_steps=steps // 10))
             result = train(cfg, callback=Printer(f"nsa {precision}"))
-            row.nonfinite_steps, row.final_loss = result.nonfinite_steps, result.losses[-1]
+            row.nonfinite_steps, row.final_loss, row.losses = result.nonfinite_steps, result.losses[-1], result.losses
         except Exception:
             row.error = error_text()
             print(row.error, file=sys.stderr, flush=True)
@@ -238,6 +240,25 @@ def plot_curves(rows: list, args) -> None:
                  "NSA vs dense")
     ax.legend()
     fig.savefig(Path(args.out) / "loss_curve.png", dpi=120, bbox_inches="tight")
+
+
+def replot(args) -> None:
+    """Curves from saved JSON: curve rows as they are, the bf16 precision row as NSA's curve."""
+    rows = []
+    for path in args.replot.split(","):
+        record = json.loads(Path(path).read_text())
+        for r in record["rows"]:
+            if r.get("losses") and record["mode"] == "curve":
+                rows.append(CurveRow(r["attention"], r["steps"], losses=r["losses"]))
+            elif r.get("losses") and record["mode"] == "precision" and r["precision"] == "bf16":
+                rows.append(CurveRow("nsa", r["steps"], losses=r["losses"]))
+    if not rows:
+        sys.exit(f"no loss curves in {args.replot}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot_curves(rows, args)
+    for row in rows:
+        tail = row.losses[-50:]
+        print(f"{row.attention}: {row.steps} steps, mean loss of the last {len(tail)} steps {sum(tail) / len(tail):.4f}")
 
 
 def ema(xs: list[float], beta: float) -> list[float]:
@@ -300,8 +321,14 @@ def main() -> None:
     p.add_argument("--curve-data", choices=("kv", "copy"), default="kv", help="Synthetic task of the curves.")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--budget-s", type=float, default=540.0, help="Start no configuration after this many seconds.")
+    p.add_argument("--replot", default=None, help=(
+        "No training: plot the loss curves found in these comma-separated JSON files of earlier runs "
+        "(curve rows, and the bf16 precision row as the NSA curve) into --out/loss_curve.png."))
     args = p.parse_args()
     args.started = time.monotonic()
+    if args.replot:
+        replot(args)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench/train_gpu.py needs a CUDA device")
     out = Path(args.out)

@@ -261,3 +261,12 @@ def test_merge_reports_recomputes_speedups_against_one_baseline(tmp_path):
     got = {r["impl"]: r["speedup"] for r in merged["rows"]}
     assert got == {"dense-cudnn": 1.0, "nsa-flex": 0.5, "dense-flash": 2.0 / 3.0, "flex-dense": 2.0 / 6.0}
     assert merged["header"]["speedup_baseline"] == "dense-cudnn"
+
+    # A later run with its own baseline beside a peer: the baseline shows once (the first
+    # run's), the peer keeps its speedup against the baseline of its own run.
+    c = part("c", [row("dense-cudnn", 2.2, 1.0), Row(suite="attention", impl="fla", mode="fwd", T=8192,
+                                                     median_ms=1.1, speedup=2.0)])
+    merge_reports([a, c], tmp_path / "out", "m2", first_only=True)
+    merged = json.loads((tmp_path / "out" / "m2.json").read_text())
+    got = [(r["impl"], r["median_ms"], r["speedup"]) for r in merged["rows"]]
+    assert got == [("dense-cudnn", 2.0, 1.0), ("nsa-flex", 4.0, 0.5), ("fla", 1.1, 2.0)]

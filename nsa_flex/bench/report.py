@@ -33,16 +33,22 @@ def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row
     return paths, md
 
 
-def merge_reports(paths: list[Path], out_dir: Path, stem: str,
-                  baseline_order: tuple[str, ...] | None = None) -> tuple[dict[str, Path | None], str]:
+def merge_reports(paths: list[Path], out_dir: Path, stem: str, baseline_order: tuple[str, ...] | None = None,
+                  first_only: bool = False) -> tuple[dict[str, Path | None], str]:
     """One report from the JSON files of several runs of one suite on one device (e.g. a sweep
     split over several commands of one session): the first file's header, every file's rows in order.
 
     baseline_order: recompute every speedup against the first of these impls found in the
     merged rows (each file's own speedups may use different baselines); None keeps them.
+    first_only: of rows with the same (impl, mode, T) keep the first file's. With
+    baseline_order None, a later run that timed its own baseline beside a peer keeps the
+    peer's speedup against that same-run baseline while the table shows the baseline once.
     """
     reports = [json.loads(Path(p).read_text()) for p in paths]
     rows = [Row(**r) for report in reports for r in report["rows"]]
+    if first_only:
+        seen: set[tuple] = set()
+        rows = [r for r in rows if (key := (r.impl, r.mode, r.T)) not in seen and not seen.add(key)]
     first = reports[0]["header"]
     header = dict(first, notes=first["notes"] + [f"merged from {', '.join(Path(p).name for p in paths)}"])
     if baseline_order is not None:
