@@ -34,7 +34,7 @@ def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row
 
 
 def merge_reports(paths: list[Path], out_dir: Path, stem: str, baseline_order: tuple[str, ...] | None = None,
-                  first_only: bool = False) -> tuple[dict[str, Path | None], str]:
+                  first_only: bool = False, note: str | None = None) -> tuple[dict[str, Path | None], str]:
     """One report from the JSON files of several runs of one suite on one device (e.g. a sweep
     split over several commands of one session): the first file's header, every file's rows in order.
 
@@ -50,7 +50,8 @@ def merge_reports(paths: list[Path], out_dir: Path, stem: str, baseline_order: t
         seen: set[tuple] = set()
         rows = [r for r in rows if (key := (r.impl, r.mode, r.T)) not in seen and not seen.add(key)]
     first = reports[0]["header"]
-    header = dict(first, notes=first["notes"] + [f"merged from {', '.join(Path(p).name for p in paths)}"])
+    merged = f"merged from {', '.join(Path(p).name for p in paths)}" + (f": {note}" if note else "")
+    header = dict(first, notes=first["notes"] + [merged])
     if baseline_order is not None:
         for r in rows:
             r.speedup = None
