@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from limited import run_limited
 
 CHILD = r"""
 import faulthandler, json, sys, time
@@ -60,13 +61,8 @@ def run_case(case: str, out: Path, limit_s: float, every_s: float) -> dict:
     mode, T = case.split(":")
     stacks = out / f"stacks_{mode}_{T}.txt"
     t0 = time.monotonic()
-    try:
-        p = subprocess.run([sys.executable, "-c", CHILD, mode, T, str(stacks), str(every_s)], capture_output=True,
-                           text=True, timeout=limit_s, cwd=str(Path(__file__).resolve().parents[1]))
-        status, text = f"exit {p.returncode}", p.stdout + p.stderr[-3000:]
-    except subprocess.TimeoutExpired as e:
-        status = f"cut off after {limit_s:g} s"
-        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    status, text = run_limited([sys.executable, "-c", CHILD, mode, T, str(stacks), str(every_s)], limit_s,
+                               cwd=str(Path(__file__).resolve().parents[1]))
     result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
     lines = [line for line in text.splitlines() if not line.startswith("RESULT ")]
     return {"case": case, "status": status, "wall_s": round(time.monotonic() - t0, 1), "result": result,

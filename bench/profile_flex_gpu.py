@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flex_gpu import bench_ms, inputs, peak_gib  # noqa: E402
+from limited import run_limited  # noqa: E402
 
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
@@ -105,7 +105,7 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
     def call(fn, kk, vv, mask, branch):
         return F._call(fn, q_fold, kk, vv, mask, scale, branch)
 
-    kT, vT, kcT, vcT = k.transpose(1, 2), v.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    kT, vT = k.transpose(1, 2), v.transpose(1, 2)
     rec("sel flex only", lambda: call(F._flex_sel, kT, vT, sel_mask, "sel"), do_fold, [q_fold, k, v])
     rec("win flex only", lambda: call(F._flex_win, kT, vT, win_mask, "win"), do_fold, [q_fold, k, v])
     o3 = [torch.randn_like(q_fold[..., :cfg.dv]).requires_grad_(True) for _ in range(3)]
@@ -286,14 +286,7 @@ def part_compile(T: int, timeout_s: float) -> dict:
         "print('bwd_compile_s', round(t2 - t1, 1), flush=True)"
     )
     t0 = time.monotonic()
-    try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                           cwd=str(Path(__file__).resolve().parents[1]))
-        out = p.stdout + p.stderr[-3000:]
-        status = f"exit {p.returncode}"
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status = f"timeout after {timeout_s} s"
+    status, out = run_limited([sys.executable, "-c", code], timeout_s, cwd=str(Path(__file__).resolve().parents[1]))
     res = {"T": T, "status": status, "wall_s": round(time.monotonic() - t0, 1), "output": out[-4000:]}
     print(res, flush=True)
     return res

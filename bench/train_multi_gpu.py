@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nsa_flex.training.metrics import read_metrics  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from limited import run_limited  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,12 +47,7 @@ def run(name: str, gpus: int, parallel: str, args) -> dict:
                *train_args(out_dir, parallel, args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}
     t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit_s, cwd=str(ROOT), env=env)
-        status, log = f"exit {p.returncode}", p.stdout[-2500:] + p.stderr[-2500:]
-    except subprocess.TimeoutExpired as e:
-        status = f"cut off after {args.limit_s:g} s"
-        log = e.stdout.decode()[-2500:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-2500:]
+    status, log = run_limited(cmd, args.limit_s, cwd=str(ROOT), env=env)
     row = {"name": name, "gpus": gpus, "parallel": parallel, "status": status,
            "wall_s": round(time.monotonic() - t0, 1), "command": " ".join(cmd[1:])}
     metrics = read_metrics(out_dir) if (out_dir / "metrics.jsonl").exists() else []

@@ -47,8 +47,11 @@ def merge_reports(paths: list[Path], out_dir: Path, stem: str, baseline_order: t
     reports = [json.loads(Path(p).read_text()) for p in paths]
     rows = [Row(**r) for report in reports for r in report["rows"]]
     if first_only:
-        seen: set[tuple] = set()
-        rows = [r for r in rows if (key := (r.impl, r.mode, r.T)) not in seen and not seen.add(key)]
+        # dicts keep insertion order: setdefault keeps each key's first row in place.
+        by_key: dict[tuple, Row] = {}
+        for r in rows:
+            by_key.setdefault((r.impl, r.mode, r.T), r)
+        rows = list(by_key.values())
     first = reports[0]["header"]
     merged = f"merged from {', '.join(Path(p).name for p in paths)}" + (f": {note}" if note else "")
     header = dict(first, notes=first["notes"] + [merged])
