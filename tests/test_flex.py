@@ -266,7 +266,8 @@ def test_tokens_per_tile(G, q_block, expected):
     assert tokens_per_tile(G, q_block) == expected
 
 
-@pytest.mark.parametrize("R,C,W", [(7, 5, 3), (33, 9, 9), (64, 16, 4)])
+# (600, 40, 16): more entries than transpose_blocks' spare slots, most of them unlisted.
+@pytest.mark.parametrize("R,C,W", [(7, 5, 3), (33, 9, 9), (64, 16, 4), (600, 40, 16)])
 def test_transpose_blocks_matches_from_kv_blocks(R, C, W):
     gen = torch.Generator().manual_seed(R)
     B, H = 2, 3
@@ -279,6 +280,15 @@ def test_transpose_blocks_matches_from_kv_blocks(R, C, W):
     assert torch.equal(q_num, expected.q_num_blocks)
     valid = torch.arange(R) < q_num[..., None]
     assert torch.equal(torch.where(valid, q_idx, 0), torch.where(valid, expected.q_indices, 0))
+
+
+def test_transpose_blocks_cuts_columns_at_width():
+    """Entries past `width` are dropped (the lowest rows kept), the counts clamped, the rest zero."""
+    num = torch.tensor([[[1, 1, 1, 1, 1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[2], [2], [0], [2], [2]]]], dtype=torch.int32)
+    q_num, q_idx = transpose_blocks(num, idx, 3, 2)
+    assert q_num.tolist() == [[[1, 0, 2]]]
+    assert q_idx.tolist() == [[[[2, 0], [0, 0], [0, 1]]]]
 
 
 def test_flex_matches_reference_on_window_kv():
@@ -452,3 +462,26 @@ def test_given_selection_is_not_split():
     with torch.no_grad():
         o, _ = nsa_flex(**x, config=cfg, block_indices=sel, tiles=FlexTiles(min_chunk_rows=128))
     assert (o - o_ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps
+
+
+def test_shape_masks_are_built_once_per_shape_in_eager_mode():
+    from nsa_flex import flex as flex_mod
+
+    calls = []
+
+    def build(T, *, G):
+        calls.append((T, G))
+        return torch.full((T,), G)
+
+    flex_mod._SHAPE_MASKS.clear()
+    a = flex_mod.shape_mask(build, 4, G=2)
+    assert flex_mod.shape_mask(build, 4, G=2) is a
+    flex_mod.shape_mask(build, 8, G=2)
+    with torch.inference_mode():
+        b = flex_mod.shape_mask(build, 4, G=2)
+    assert b is not a and b.is_inference()
+    assert calls == [(4, 2), (8, 2), (4, 2)]
+    for T in range(flex_mod._SHAPE_MASKS_MAX + 5):
+        flex_mod.shape_mask(build, 100 + T, G=1)
+    assert len(flex_mod._SHAPE_MASKS) == flex_mod._SHAPE_MASKS_MAX
+    flex_mod._SHAPE_MASKS.clear()

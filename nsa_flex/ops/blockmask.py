@@ -28,6 +28,8 @@ from torch.nn.attention.flex_attention import BlockMask
 # "No entry" sentinel above every block and position id, kept clear of the int32 / int64
 # extremes (Triton cannot build the negation of int64's minimum as a reduction's start value).
 _BIG = 2**30
+# Slots the dropped entries of transpose_blocks' scatter are spread over (see there).
+_SPARE_SLOTS = 4096
 
 
 def make_block_mask(seq_lengths, kv, full_kv, q, full_q, block_size, mask_mod) -> BlockMask:
@@ -63,7 +65,7 @@ def transpose_blocks(num_bhr: torch.Tensor, idx_bhrw: torch.Tensor, n_cols: int,
     The column lists come out with ascending row ids. `width` must bound the entries any
     column gets (it is the static width of the result; entries past it are dropped, and the
     count is clamped to it); entries beyond a column's count are 0.
-    Work: one sort and two scatters over the B*H*R*W entries.
+    Work: one sort, one binary search per column and one scatter over the B*H*R*W entries.
     """
     B, H, R, W = idx_bhrw.shape
     device = idx_bhrw.device
@@ -71,22 +73,26 @@ def transpose_blocks(num_bhr: torch.Tensor, idx_bhrw: torch.Tensor, n_cols: int,
     listed = torch.arange(W, device=device) < num_bhr[..., None].to(torch.int64)
     bh = torch.arange(B * H, device=device).view(B, H, 1, 1)
     seg = bh * n_cols + idx_bhrw.to(torch.int64)
-    # Unlisted entries go to a spare segment n_seg, dropped at the end.
+    # Unlisted entries go to a spare segment n_seg, which sorts last and is dropped.
     seg = torch.where(listed, seg, n_seg)
     rows = torch.arange(R, device=device).view(1, 1, R, 1)
-    key = (seg * R + rows).flatten()
-    key_sorted = torch.sort(key).values
+    key_sorted = torch.sort((seg * R + rows).flatten()).values
     seg_sorted, row_sorted = key_sorted // R, key_sorted % R
-    counts = torch.zeros(n_seg + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, seg.flatten(), torch.ones_like(key))
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(key.numel(), device=device) - starts[seg_sorted]
-    # The spare segment's entries (and any beyond `width`) land in one spare slot past the end.
-    dest = torch.where((seg_sorted < n_seg) & (rank < width), seg_sorted * width + rank, n_seg * width)
-    out = torch.zeros(n_seg * width + 1, dtype=torch.int32, device=device)
+    # Segment starts by binary search in the sorted keys, not by atomic counts: most entries of
+    # a sparse list are unlisted, and counting them into one slot serialised ~10^6 atomics.
+    starts = torch.searchsorted(seg_sorted, torch.arange(n_seg + 1, device=device))
+    counts = starts[1:] - starts[:-1]
+    i = torch.arange(key_sorted.numel(), device=device)
+    rank = i - starts[seg_sorted]
+    # Dropped entries (the spare segment, any past `width`) land in a spare region, spread
+    # over many slots for the same reason.
+    spare = max(1, min(key_sorted.numel(), _SPARE_SLOTS))
+    keep = (seg_sorted < n_seg) & (rank < width)
+    dest = torch.where(keep, seg_sorted * width + rank, n_seg * width + i % spare)
+    out = torch.zeros(n_seg * width + spare, dtype=torch.int32, device=device)
     out.scatter_(0, dest, row_sorted.to(torch.int32))
-    num_out = torch.clamp(counts[:n_seg], max=width).to(torch.int32).view(B, H, n_cols)
-    return num_out, out[:-1].view(B, H, n_cols, width)
+    num_out = torch.clamp(counts, max=width).to(torch.int32).view(B, H, n_cols)
+    return num_out, out[: n_seg * width].view(B, H, n_cols, width)
 
 
 def union_blocks(cand_bhrm: torch.Tensor, n_members_bhr: torch.Tensor, full_ok_bhrm: torch.Tensor,

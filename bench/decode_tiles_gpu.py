@@ -1,0 +1,103 @@
+"""Launch parameters of the fused decode kernels: the op alone under several tile settings, per kernel.
+
+    PYTHONPATH=. python3 bench/decode_tiles_gpu.py --out $OUT/decode_tiles.json [--cases 1:65536 8:65536]
+
+For each case B:T (the bench shape of decode_kernel_gpu.Problem) and each variant (overrides
+of nsa_flex.ops.decode_triton.launch_config): GPU us per op call from a CUDA graph of 20 calls,
+each of the four kernels' own us (torch.profiler, no graph), and the output's largest
+difference from the default variant's (the tiles change only the order of fp32 sums).
+JSON is rewritten after every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_kernel_gpu import Problem, time_graph  # noqa: E402
+
+from nsa_flex.ops.decode_triton import decode_attend_triton, launch_config  # noqa: E402
+
+
+def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
+    base = launch_config(B, Hkv, Tc, cfg)
+    splits = base["SPLITS"]
+    return {
+        "default": {},
+        "splits_x2": {"SPLITS": splits * 2},
+        "splits_x4": {"SPLITS": splits * 4},
+        "splits_half": {"SPLITS": max(1, splits // 2)},
+        "bc128": {"BC": 128},
+        "bc32_splits_x2": {"BC": 32, "SPLITS": splits * 2},
+        "bs64": {"BS": 64},
+        "bs16": {"BS": 16},
+        "bn32": {"BN": 32, "WCH": 64},
+        "warps8": {"num_warps": 8},
+        "stages3": {"num_stages": 3},
+        "stages1": {"num_stages": 1},
+    }
+
+
+def per_kernel_us(fn, steps: int = 5) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    us: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    return {k: round(v, 2) for k, v in us.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cases", nargs="+", default=["1:65536", "8:65536", "8:131072"])
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    rows = []
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
+    started = time.perf_counter()
+    for case in args.cases:
+        B, T = (int(s) for s in case.split(":"))
+        prob = Problem(B, T)
+        cfg = prob.cfg
+        q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates = prob.op_args()
+        q = q.contiguous()
+        scale = cfg.head_dim ** -0.5
+        ref = None
+        for name, tiles in variants(B, cfg.n_kv_heads, k_cmp.shape[2], cfg).items():
+            def op(tiles=tiles):
+                return decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cfg, tiles)
+
+            row = {"B": B, "T": T, "variant": name, "tiles": {**launch_config(B, cfg.n_kv_heads, k_cmp.shape[2], cfg),
+                                                              **tiles}}
+            try:
+                prob.reset()
+                o = op()[0].float()
+                ref = o if ref is None else ref
+                row["max_diff_vs_default"] = float((o - ref).abs().max())
+                row["op_us"] = time_graph(op, prob.reset)
+                row["kernels_us"] = per_kernel_us(op)
+            except Exception as exc:  # a variant that fails to launch is a result too
+                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            rows.append(row)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+            print(f"[{time.perf_counter() - started:4.0f} s] {B=} {T=} {name}: {row.get('op_us')} us "
+                  f"{row.get('kernels_us', row.get('error'))}", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Selected-branch query tiles on the GPU: the whole op at several sel_q_block sizes, per shape.
+
+    python bench/tiles_gpu.py --out $OUT/tiles.json --shapes 16:2048:12:3:64 1:8192:64:4:128 \
+        --q-blocks 16 32 64 128 [--wide-bwd] [--deadline-s 540]
+
+A shape is B:T:Hq:Hkv:D. For each one: dense causal cuDNN SDPA (k/v expanded to Hq heads), then
+nsa_flex (eager glue, each Flex call compiled) with FlexTiles(sel_q_block=X) for every X:
+forward and forward+backward medians, peak memory of one forward+backward, first-call seconds
+(compilation), and the output's largest difference from the first X's (the tiles only change
+the order of bf16 sums, so this stays at rounding level; a larger one is a bug).
+
+Why: with 16 folded rows per tile (one token at G=16, four at G=4) every 64-key block is
+loaded for 16 rows. At short T a token selects a large share of its blocks, so larger tiles
+over the union of their tokens' blocks may cost less than many 16-row ones.
+--wide-bwd also tries 32/64-wide backward tiles where the query block allows them.
+JSON is rewritten after every measurement, so a call cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flex_gpu import bench_ms, peak_gib  # noqa: E402
+from host_profile_gpu import kernel_table, make_inputs  # noqa: E402
+
+from nsa_flex import tuning  # noqa: E402
+from nsa_flex.flex import nsa_flex  # noqa: E402
+from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+
+START = time.monotonic()
+_base_options = tuning.branch_kernel_options
+_WIDE = {"on": False}
+
+
+def _options(branch, head_dim, dtype, *, q_block=128, kv_block=128):
+    """The library's tiles, or (wide) 32/64-wide backward tiles for the selected branch's larger query blocks."""
+    opts = _base_options(branch, head_dim, dtype, q_block=q_block, kv_block=kv_block)
+    if _WIDE["on"] and branch == "sel" and q_block >= 64 and head_dim <= 128 and dtype != torch.float32:
+        n = opts["bwd_BLOCK_N1"]
+        opts.update(bwd_BLOCK_M1=32, bwd_BLOCK_M2=64, bwd_BLOCK_N2=min(32, n))
+    return opts
+
+
+tuning.branch_kernel_options = _options
+
+
+def measure(fn, x: dict, grad_out) -> dict:
+    leaves = [t for t in x.values() if t.requires_grad]
+
+    def fwd_bwd():
+        torch.autograd.backward(fn(), grad_out, inputs=leaves)
+
+    t0 = time.monotonic()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    first = time.monotonic() - t0
+    # The eager glue can leave the GPU waiting on the host: gpu_* sum the kernels' own time.
+    return {"first_s": round(first, 1), "fwd_ms": bench_ms(fn), "fwd_bwd_ms": bench_ms(fwd_bwd),
+            "gpu_fwd_ms": kernel_table(fn)["gpu_ms"], "gpu_fwd_bwd_ms": kernel_table(fwd_bwd)["gpu_ms"],
+            "peak_gib": peak_gib(fwd_bwd)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", nargs="+", default=["16:2048:12:3:64"])
+    p.add_argument("--q-blocks", nargs="+", type=int, default=[16, 32, 64, 128])
+    p.add_argument("--wide-bwd", action="store_true")
+    p.add_argument("--deadline-s", type=float, default=540)
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 512
+    install_flex_tuning()
+    rows = []
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
+              "what": "nsa_flex eager glue, each Flex call compiled; dense = cuDNN SDPA causal, same run"}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+
+    for shape in args.shapes:
+        B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+        cfg, x = make_inputs(B, T, Hq, Hkv, D)
+        do = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+        G = Hq // Hkv
+        qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_(True)
+        kd, vd = (x[n].detach().repeat_interleave(G, dim=2).transpose(1, 2).contiguous().requires_grad_(True)
+                  for n in ("k", "v"))
+        dod = do.transpose(1, 2).contiguous()
+
+        def dense():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+
+        r = {"shape": shape, "impl": "dense-cudnn", **measure(dense, {"q": qd, "k": kd, "v": vd}, dod)}
+        rows.append(r)
+        print(r, flush=True)
+        save()
+
+        ref = None
+        variants = [(qb, False) for qb in args.q_blocks]
+        if args.wide_bwd:
+            variants += [(qb, True) for qb in args.q_blocks if qb >= 64]
+        for qb, wide in variants:
+            if time.monotonic() - START > args.deadline_s:
+                rows.append({"shape": shape, "impl": "nsa-flex", "sel_q_block": qb, "wide_bwd": wide,
+                             "note": "skipped: deadline"})
+                continue
+            _WIDE["on"] = wide
+            tiles = FlexTiles(sel_q_block=qb)
+
+            def op():
+                return nsa_flex(**x, config=cfg, tiles=tiles)[0]
+
+            r = {"shape": shape, "impl": "nsa-flex", "sel_q_block": qb, "wide_bwd": wide}
+            try:
+                r.update(measure(op, x, do))
+                with torch.no_grad():
+                    o = op().float()
+                if ref is None:
+                    ref = o
+                r["max_diff_vs_first"] = float((o - ref).abs().max())
+                dense_row = next(d for d in rows if d["shape"] == shape and d["impl"] == "dense-cudnn")
+                r["fwd_vs_dense"] = round(dense_row["fwd_ms"] / r["fwd_ms"], 3)
+                r["fwd_bwd_vs_dense"] = round(dense_row["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
+            except Exception as e:  # a variant that does not compile is a result too
+                r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            rows.append(r)
+            print(r, flush=True)
+            save()
+            torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()
