@@ -148,7 +148,7 @@ def run_group(Hq: int, Hkv: int, sizes, tiles: FlexTiles, args, rows: list, log:
             compile_s = time.monotonic() - t0
             fwd, fwd_bwd, peak = timed_pair(compiled, x, do)
             rows.append(Row("nsa-flex", Hq, Hkv, T, fwd, fwd_bwd, peak, compile_s,
-                            nsa_flops(cfg, T) / fwd / 1e9, note=f"q_tile={tiles.sel_q_block}; {mode}"))
+                            nsa_flops(cfg, T) / fwd / 1e9, note=f"q_tile={tiles.sel_rows(T, cfg)}; {mode}"))
         except Exception as e:  # one failed size must not lose the others
             rows.append(Row("nsa-flex", Hq, Hkv, T, note=f"error: {type(e).__name__}: {str(e)[:200]}"))
         print(rows[-1], flush=True)
@@ -208,7 +208,7 @@ def branch_rows(cfg: NSAConfig, T: int, tiles: FlexTiles, rows: list) -> None:
         # Eager: the op's Triton kernel does not compile inside Inductor on torch 2.11 yet (fp64 scale).
         "selection op": lambda: select_blocks(q, kc, lse, cfg, scale=scale),
         "sel BlockMask": torch.compile(
-            lambda: selection_block_mask(sel, T, cfg.group_size, cfg, tiles.sel_q_block).full_q_indices,
+            lambda: selection_block_mask(sel, T, cfg.group_size, cfg, tiles.sel_rows(T, cfg)).full_q_indices,
             fullgraph=True),
     }
     with torch.no_grad():

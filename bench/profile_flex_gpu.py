@@ -83,7 +83,7 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
         _, lse = compressed_branch(q_fold0, kc, vc, cfg, scale, tiles)
         rec("selection op", lambda: select_blocks(q, kc, lse, cfg, scale=scale))
         sel = select_blocks(q, kc, lse, cfg, scale=scale)
-        rec("sel mask build", lambda: selection_block_mask(sel, T, G, cfg, tiles.sel_q_block))
+        rec("sel mask build", lambda: selection_block_mask(sel, T, G, cfg, tiles.sel_rows(T, cfg)))
     q_fold = q_fold0.detach().requires_grad_(True)
     do_fold = torch.randn_like(q_fold[..., :cfg.dv])
     leaves = [q_fold, k, v, kc, vc]
@@ -98,7 +98,7 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
     rec("win branch (mask + flex)", lambda: window_branch(q_fold, k, v, cfg, scale, tiles), do_fold,
         [q_fold, k, v])
     with torch.no_grad():
-        sel_mask = selection_block_mask(sel, T, G, cfg, tiles.sel_q_block)
+        sel_mask = selection_block_mask(sel, T, G, cfg, tiles.sel_rows(T, cfg))
         win_mask = window_block_mask(T, cfg.window, q.device, tiles.win_block, G)
     from nsa_flex import flex as F
 

@@ -1,10 +1,11 @@
 """Selected-branch query tiles on the GPU: the whole op at several sel_q_block sizes, per shape.
 
     python bench/tiles_gpu.py --out $OUT/tiles.json --shapes 16:2048:12:3:64 1:8192:64:4:128 \
-        --q-blocks 16 32 64 128 [--wide-bwd] [--deadline-s 540]
+        --variants 16 128 128n [--deadline-s 540]
 
 A shape is B:T:Hq:Hkv:D. For each one: dense causal cuDNN SDPA (k/v expanded to Hq heads), then
-nsa_flex (eager glue, each Flex call compiled) with FlexTiles(sel_q_block=X) for every X:
+nsa_flex (eager glue, each Flex call compiled) with FlexTiles(sel_q_block=X) for every variant X
+(Xn: also split_initial=False):
 forward and forward+backward medians, peak memory of one forward+backward, first-call seconds
 (compilation), and the output's largest difference from the first X's (the tiles only change
 the order of bf16 sums, so this stays at rounding level; a larger one is a bug).
@@ -12,7 +13,6 @@ the order of bf16 sums, so this stays at rounding level; a larger one is a bug).
 Why: with 16 folded rows per tile (one token at G=16, four at G=4) every 64-key block is
 loaded for 16 rows. At short T a token selects a large share of its blocks, so larger tiles
 over the union of their tokens' blocks may cost less than many 16-row ones.
---wide-bwd also tries 32/64-wide backward tiles where the query block allows them.
 JSON is rewritten after every measurement, so a call cut short keeps what it measured.
 """
 
@@ -34,27 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flex_gpu import bench_ms, peak_gib  # noqa: E402
 from host_profile_gpu import kernel_table, make_inputs  # noqa: E402
 
-from nsa_flex import tuning  # noqa: E402
 from nsa_flex.flex import nsa_flex  # noqa: E402
 from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
 
 START = time.monotonic()
-_base_options = tuning.branch_kernel_options
-_WIDE = {"on": False}
-
-
-def _options(branch, head_dim, dtype, *, q_block=128, kv_block=128):
-    """The library's tiles, or (wide) 32/64-wide backward tiles for the selected branch's larger query blocks."""
-    opts = _base_options(branch, head_dim, dtype, q_block=q_block, kv_block=kv_block)
-    if _WIDE["on"] and branch == "sel" and q_block >= 64 and head_dim <= 128 and dtype != torch.float32:
-        n = opts["bwd_BLOCK_N1"]
-        opts.update(bwd_BLOCK_M1=32, bwd_BLOCK_M2=64, bwd_BLOCK_N2=min(32, n))
-    return opts
-
-
-tuning.branch_kernel_options = _options
-
-
 def measure(fn, x: dict, grad_out) -> dict:
     leaves = [t for t in x.values() if t.requires_grad]
 
@@ -75,8 +58,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="+", default=["16:2048:12:3:64"])
-    p.add_argument("--q-blocks", nargs="+", type=int, default=[16, 32, 64, 128])
-    p.add_argument("--wide-bwd", action="store_true")
+    p.add_argument("--variants", nargs="+", default=["16", "128"],
+                   help="sel_q_block values; a trailing n: without the initial blocks' own call")
     p.add_argument("--deadline-s", type=float, default=540)
     p.add_argument("--commit", default="")
     args = p.parse_args()
@@ -111,21 +94,17 @@ def main() -> None:
         save()
 
         ref = None
-        variants = [(qb, False) for qb in args.q_blocks]
-        if args.wide_bwd:
-            variants += [(qb, True) for qb in args.q_blocks if qb >= 64]
-        for qb, wide in variants:
+        for variant in args.variants:
+            qb, split = int(variant.rstrip("n")), not variant.endswith("n")
             if time.monotonic() - START > args.deadline_s:
-                rows.append({"shape": shape, "impl": "nsa-flex", "sel_q_block": qb, "wide_bwd": wide,
-                             "note": "skipped: deadline"})
+                rows.append({"shape": shape, "impl": "nsa-flex", "variant": variant, "note": "skipped: deadline"})
                 continue
-            _WIDE["on"] = wide
-            tiles = FlexTiles(sel_q_block=qb)
+            tiles = FlexTiles(sel_q_block=qb, split_initial=split)
 
             def op():
                 return nsa_flex(**x, config=cfg, tiles=tiles)[0]
 
-            r = {"shape": shape, "impl": "nsa-flex", "sel_q_block": qb, "wide_bwd": wide}
+            r = {"shape": shape, "impl": "nsa-flex", "variant": variant, "sel_q_block": qb, "split_initial": split}
             try:
                 r.update(measure(op, x, do))
                 with torch.no_grad():

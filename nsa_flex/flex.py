@@ -233,11 +233,11 @@ def selected_parts(q_fold, k, v, block_indices, config: NSAConfig, scale: float,
     kT, vT = k.transpose(1, 2), v.transpose(1, 2)
     n_keys = min(config.n_initial * config.sel_block, T)
     if not (forced_initial and tiles.split_initial and docs is None and n_keys > 0):
-        mask = selection_block_mask(block_indices, T, G, config, tiles.sel_q_block, docs)
+        mask = selection_block_mask(block_indices, T, G, config, tiles.sel_rows(T, config), docs)
         return [(_call(_flex_sel, q_fold, kT, vT, mask, scale, "sel"), None)]
     B, Hkv, rows, Dk = q_fold.shape
     rest = torch.where(block_indices < config.n_initial, -1, block_indices)
-    mask = selection_block_mask(rest, T, G, config, tiles.sel_q_block)
+    mask = selection_block_mask(rest, T, G, config, tiles.sel_rows(T, config))
     o_rest, lse_rest = _call(_flex_sel_lse, q_fold, kT, vT, mask, scale, "sel")
     q_block = 128
     S = query_chunks(rows, q_block, tiles.max_chunks, tiles.min_chunk_rows) if rows % q_block == 0 else 1

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from nsa_flex.model import NSALM, NSAModelConfig
+from nsa_flex.tuning import FlexTiles
 
 GIB = 2**30
 
@@ -83,11 +84,12 @@ def count_params(config: NSAModelConfig) -> ParamCounts:
 
 def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision: str = "bf16",
              compiled: bool = True, activation_checkpointing: bool = False, parallel: str = "none",
-             world_size: int = 1, impl: str = "flex", sel_q_block: int = 16) -> MemoryEstimate:
+             world_size: int = 1, impl: str = "flex", sel_q_block: int | None = None) -> MemoryEstimate:
     """Peak memory of one rank training `config` on micro-batches of [batch_size, seq_len].
 
     precision: fp32 | bf16 | fp16. impl: the NSA path ("flex" or "reference"; ignored for dense).
-    sel_q_block: query rows per block of the selected branch's folded BlockMask.
+    sel_q_block: query rows per block of the selected branch's folded BlockMask (None: the
+    length-based default of nsa_flex.tuning.FlexTiles.sel_rows).
     """
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r}: allowed fp32, bf16, fp16")
@@ -151,7 +153,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool) -> int:
     return int(norms + mlp + attn + compress + gate + branch_out + folded)
 
 
-def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int) -> int:
+def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int | None) -> int:
     """Mask/selection tensors of all layers for one micro-batch (0 for dense attention)."""
     if cfg.attention == "dense":
         return 0
@@ -165,7 +167,7 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
     else:
         indices = 8 * n.n_kv_heads * T * n.n_selected
-        q_blocks = math.ceil(T * n.group_size / sel_q_block)
+        q_blocks = math.ceil(T * n.group_size / FlexTiles(sel_q_block=sel_q_block).sel_rows(T, n))
         block_mask = 2 * 4 * n.n_kv_heads * q_blocks * Ns
         per_seq = indices + block_mask
     return cfg.n_layers * B * per_seq

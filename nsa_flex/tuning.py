@@ -34,8 +34,9 @@ class FlexTiles:
     """(folded query rows, compressed tokens) per block of the compressed branch (128 rows = 8 tokens at G=16)."""
     win_block: tuple[int, int] = (128, 128)
     """(folded query rows, key tokens) per block of the window branch."""
-    sel_q_block: int = 16
-    """Folded query rows per tile of the selected branch (G=16: one token); kv blocks are l'."""
+    sel_q_block: int | None = None
+    """Folded query rows per tile of the selected branch (16 at G=16: one token); kv blocks are l'.
+    None: chosen from the sequence length by `sel_rows`."""
     max_chunks: int = 16
     """Most chunks the folded query rows of the compressed branch and of the initial selected
     blocks are split into, as extra heads (more dK/dV programs: ops.blockmask.query_chunks)."""
@@ -49,12 +50,32 @@ class FlexTiles:
             value = getattr(self, name)
             if len(value) != 2 or any(b < 16 or b & (b - 1) for b in value):
                 raise ValueError(f"FlexTiles.{name}={value!r}: must be two powers of two >= 16")
-        if self.sel_q_block < 16 or self.sel_q_block & (self.sel_q_block - 1):
+        if self.sel_q_block is not None and (self.sel_q_block < 16 or self.sel_q_block & (self.sel_q_block - 1)):
             raise ValueError(f"FlexTiles.sel_q_block={self.sel_q_block!r}: must be a power of two >= 16")
         if self.max_chunks < 1 or self.max_chunks & (self.max_chunks - 1):
             raise ValueError(f"FlexTiles.max_chunks={self.max_chunks!r}: must be a power of two >= 1")
         if self.min_chunk_rows < 1:
             raise ValueError(f"FlexTiles.min_chunk_rows={self.min_chunk_rows!r}: must be >= 1")
+
+
+    def sel_rows(self, T: int, config) -> int:
+        """Query rows per selected-branch tile at length T: sel_q_block, or when None the measured choice.
+
+        A tile walks the union of its tokens' selected blocks. While the n selected blocks are
+        a large share of the sequence (T <= SHORT_SEQ_FACTOR * n * l') the union of a 128-row
+        tile is about what causal attention would visit anyway, and 128-row tiles run far
+        better MMAs: at T=2048, B=16, G=4 the whole op took 4.9 ms of GPU time forward+backward
+        against 7.9 with 16-row tiles. At longer T a token's blocks are a small random share,
+        the union grows with every token, and 16 rows win: 23 vs 29 ms at T=8192, G=4 (H200,
+        bench/results/2026-11-22_h200_tiles2.json).
+        """
+        if self.sel_q_block is not None:
+            return self.sel_q_block
+        return 128 if T <= SHORT_SEQ_FACTOR * config.n_selected * config.sel_block else 16
+
+
+SHORT_SEQ_FACTOR = 2
+"""See FlexTiles.sel_rows."""
 
 
 def install_flex_tuning() -> None:
@@ -115,11 +136,13 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
             bwd_BLOCK_N2=16 if small else block_n, bwd_num_warps=4, bwd_num_stages=stages,
         )
         return opts
+    # Backward: dK/dV loop (M1 query rows per step over N1 keys), dQ loop (M2 rows, N2 keys);
+    # Triton needs N1 % M1 == 0 and M2 % N2 == 0. Query tiles of 64+ rows take wider ones:
+    # 4.9 against 7.0 ms forward+backward at T=2048, G=4 with 128-row tiles (tiles2.json).
+    wide_bwd = q_block >= 64 and not (wide or f32)
     opts.update(
         fwd_BLOCK_M=min(q_block, 64), fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,
-        # Backward: dK/dV loop (M1 query rows per step over N1 keys), dQ loop (M2 rows, N2 keys);
-        # Triton needs N1 % M1 == 0 and M2 % N2 == 0.
-        bwd_BLOCK_M1=16, bwd_BLOCK_N1=block_n, bwd_BLOCK_M2=16, bwd_BLOCK_N2=16,
-        bwd_num_warps=4, bwd_num_stages=stages,
+        bwd_BLOCK_M1=32 if wide_bwd else 16, bwd_BLOCK_N1=block_n, bwd_BLOCK_M2=64 if wide_bwd else 16,
+        bwd_BLOCK_N2=32 if wide_bwd else 16, bwd_num_warps=4, bwd_num_stages=stages,
     )
     return opts

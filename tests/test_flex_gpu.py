@@ -84,13 +84,15 @@ CASES = [
 ]
 
 
+# sel_q_block None: the length-based default, 128-row tiles at these short T; 16: the long-T tiles.
+@pytest.mark.parametrize("sel_q_block", [None, 16])
 @pytest.mark.parametrize("G,Hkv,Dk,Dv,T,B,dtype,n,w", CASES)
-def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w):
+def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w, sel_q_block):
     install_flex_tuning()
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv, n_selected=n, window=w)
     x = cuda_inputs(cfg, T, B, dtype, seed=T)
     do = torch.randn(B, T, G * Hkv, Dv, device="cuda", dtype=dtype)
-    o, grads, sel = run(nsa_flex, x, do, config=cfg)
+    o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=FlexTiles(sel_q_block=sel_q_block))
     assert sel.shape == (B, Hkv, T, n)
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 

@@ -46,8 +46,10 @@ try:
 except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its torch twin
     HAS_TRITON = False
 
-_TARGET_PROGRAMS = 256
-"""Kernel A programs to aim for (about two per SM on an H100/H200): sets the split count."""
+_TARGET_PROGRAMS = 1024
+"""Kernel A programs to aim for (about eight per SM on an H100/H200): sets the split count. At
+B=8, 64k, four times the splits of 256 took the op from 82 to 78 us; at B=1 the split count is
+capped by the tiles anyway (bench/results/2026-11-22_h200_decode_tiles.json)."""
 
 
 def _next_pow2(x: int) -> int:
@@ -60,13 +62,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int]:
     """Tile sizes: BC compressed entries per tile of A, SPLITS of A, BS selection blocks per
-    program of B, BN tokens per tile of C and WCH window tokens per program of C (one
+    program of B (16 at l'/d = 4: 17 against 22 us at B=8, 64k), BN tokens per tile of C and WCH window tokens per program of C (one
     selection block's worth, so selection and window programs do equal work)."""
     BC = 64
     RP = _next_pow2(config.sel_block // config.cmp_stride)
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, BC), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
-            "BS": max(1, 128 // RP), "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN),
+            "BS": max(1, 64 // RP), "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN),
             "num_warps": 4, "num_stages": 2}
 
 
