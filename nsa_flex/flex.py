@@ -232,7 +232,7 @@ def selected_parts(q_fold, k, v, block_indices, config: NSAConfig, scale: float,
     G = q_fold.shape[2] // T
     kT, vT = k.transpose(1, 2), v.transpose(1, 2)
     n_keys = min(config.n_initial * config.sel_block, T)
-    if not (forced_initial and tiles.split_initial and docs is None and n_keys > 0):
+    if not (forced_initial and tiles.split_at(T, config) and docs is None and n_keys > 0):
         mask = selection_block_mask(block_indices, T, G, config, tiles.sel_rows(T, config), docs)
         return [(_call(_flex_sel, q_fold, kT, vT, mask, scale, "sel"), None)]
     B, Hkv, rows, Dk = q_fold.shape

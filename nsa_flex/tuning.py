@@ -42,8 +42,9 @@ class FlexTiles:
     blocks are split into, as extra heads (more dK/dV programs: ops.blockmask.query_chunks)."""
     min_chunk_rows: int = 4096
     """Fewest folded query rows per chunk."""
-    split_initial: bool = True
-    """Attend to the forced initial blocks in a call of their own (masks.selection.initial_block_mask)."""
+    split_initial: bool | None = None
+    """Attend to the forced initial blocks in a call of their own (masks.selection.initial_block_mask).
+    None: only at the lengths where the selected branch takes 16-row tiles (see `sel_rows`)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -58,6 +59,17 @@ class FlexTiles:
             raise ValueError(f"FlexTiles.min_chunk_rows={self.min_chunk_rows!r}: must be >= 1")
 
 
+    def split_at(self, T: int, config) -> bool:
+        """Whether the initial blocks get their own call at length T (split_initial, or by length).
+
+        The split pays where block 0's backward program would walk very many query tiles
+        (-18 ms of 215 at T=64k); at T=2048 with 128-row tiles it costs a call: 4.4 against
+        4.9 ms forward+backward without it (bench/results/2026-11-22_h200_tiles3.json).
+        """
+        if self.split_initial is not None:
+            return self.split_initial
+        return T > SHORT_SEQ_FACTOR * config.n_selected * config.sel_block
+
     def sel_rows(self, T: int, config) -> int:
         """Query rows per selected-branch tile at length T: sel_q_block, or when None the measured choice.
 
@@ -66,8 +78,8 @@ class FlexTiles:
         tile is about what causal attention would visit anyway, and 128-row tiles run far
         better MMAs: at T=2048, B=16, G=4 the whole op took 4.9 ms of GPU time forward+backward
         against 7.9 with 16-row tiles. At longer T a token's blocks are a small random share,
-        the union grows with every token, and 16 rows win: 23 vs 29 ms at T=8192, G=4 (H200,
-        bench/results/2026-11-22_h200_tiles2.json).
+        the union grows with every token, and 16 rows win: 23 vs 29 ms at T=8192, G=4, and 8.9
+        vs 16.7 ms at T=4096, G=16 (H200, bench/results/2026-11-22_h200_tiles{2,3}.json).
         """
         if self.sel_q_block is not None:
             return self.sel_q_block

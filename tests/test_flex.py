@@ -432,7 +432,7 @@ def test_chunks_and_initial_split_equal_one_call(T, G, Hkv, B, n_initial):
     _, sel = nsa_reference(**x, config=cfg)
     q_fold, scale = fold(x["q"], Hkv), 32 ** -0.5
     plain = FlexTiles(max_chunks=1, split_initial=False)
-    chunked = FlexTiles(max_chunks=16, min_chunk_rows=128)
+    chunked = FlexTiles(max_chunks=16, min_chunk_rows=128, split_initial=True)
     with torch.no_grad():
         o_a, lse_a = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, plain)
         o_b, lse_b = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, chunked)
@@ -460,7 +460,8 @@ def test_given_selection_is_not_split():
     sel = torch.where(sel == 0, -1, sel)
     o_ref, _ = nsa_reference(**x, config=cfg, block_indices=sel)
     with torch.no_grad():
-        o, _ = nsa_flex(**x, config=cfg, block_indices=sel, tiles=FlexTiles(min_chunk_rows=128))
+        tiles = FlexTiles(min_chunk_rows=128, split_initial=True)
+        o, _ = nsa_flex(**x, config=cfg, block_indices=sel, tiles=tiles)
     assert (o - o_ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps
 
 
@@ -485,3 +486,12 @@ def test_shape_masks_are_built_once_per_shape_in_eager_mode():
         flex_mod.shape_mask(build, 100 + T, G=1)
     assert len(flex_mod._SHAPE_MASKS) == flex_mod._SHAPE_MASKS_MAX
     flex_mod._SHAPE_MASKS.clear()
+
+
+@pytest.mark.parametrize("T,rows,split", [(2048, 128, False), (2049, 16, True), (65536, 16, True)])
+def test_tiles_follow_length_by_default(T, rows, split):
+    """Default tiles: 128-row selected tiles and no initial-block call up to 2*n*l' tokens (paper config: 2048)."""
+    cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
+    assert FlexTiles().sel_rows(T, cfg) == rows and FlexTiles().split_at(T, cfg) == split
+    assert FlexTiles(sel_q_block=32, split_initial=True).sel_rows(T, cfg) == 32
+    assert FlexTiles(sel_q_block=32, split_initial=True).split_at(T, cfg)

@@ -107,7 +107,7 @@ def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=128, n_selected=8, window=256, n_initial=n_initial)
     x = cuda_inputs(cfg, T, 1, dtype, seed=T)
     do = torch.randn(1, T, G * Hkv, 128, device="cuda", dtype=dtype)
-    o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=FlexTiles(min_chunk_rows=min_rows))
+    o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=FlexTiles(min_chunk_rows=min_rows, split_initial=True))
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
 
