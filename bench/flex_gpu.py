@@ -244,7 +244,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 65536])
     parser.add_argument("--groups", nargs="+", default=["64:4"], help="Hq:Hkv pairs")
-    parser.add_argument("--sel-q-block", type=int, nargs="+", default=[16])
+    parser.add_argument("--sel-q-block", type=lambda v: None if v == "auto" else int(v), nargs="+", default=[None],
+                        help="selected-branch query rows per tile; auto: chosen by length (FlexTiles.sel_rows)")
     parser.add_argument("--no-dense", dest="dense", action="store_false")
     parser.add_argument("--no-check", dest="check", action="store_false")
     parser.add_argument("--branches", action="store_true", help="per-branch times at the largest T")
