@@ -111,11 +111,6 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     n_members = (t_hi - t_lo + 1).expand(B, Hkv, n_tiles)
     width = min(cand.shape[-1], n_blocks)
     partial_kv, full_kv = union_blocks(cand, n_members, full_ok.flatten(-2), width)
-    if R == 1 and docs is None:
-        # One token per tile: every selected block before its own is causally full, so a
-        # tile's partial list holds its own block at most. One wide, the list's transpose
-        # sorts 1/n of the entries (T*G/q_block*n at width n: 4M at T=64k, G=16).
-        partial_kv = (partial_kv[0], partial_kv[1][..., :1])
 
     # Column lists as wide as the number of query tiles: block 0 is full for nearly every
     # tile. (At one token per tile only the own block is partial, so l'*G/q_block + 1 would
