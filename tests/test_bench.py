@@ -270,3 +270,21 @@ def test_merge_reports_recomputes_speedups_against_one_baseline(tmp_path):
     merged = json.loads((tmp_path / "out" / "m2.json").read_text())
     got = [(r["impl"], r["median_ms"], r["speedup"]) for r in merged["rows"]]
     assert got == [("dense-cudnn", 2.0, 1.0), ("nsa-flex", 4.0, 0.5), ("fla", 1.1, 2.0)]
+
+
+def test_flex_check_covers_the_long_sequence_tiles(monkeypatch):
+    """The check length takes the short-T tiles; a fault only in the long-T ones must still fail the check."""
+    from nsa_flex import flex
+    from nsa_flex.bench.impls import Problem, _nsa_op_check
+
+    real = flex.nsa_flex
+
+    def broken_long_tiles(*args, tiles=flex.FlexTiles(), **kwargs):
+        o, sel = real(*args, tiles=tiles, **kwargs)
+        return (o + 1 if tiles.sel_q_block == 16 else o), sel
+
+    cfg = attention_config(device="cpu", seq_lens=(64,), check_seq_len=64)
+    check = _nsa_op_check("flex")
+    assert check(Problem(cfg, 64)).err < 1e-5
+    monkeypatch.setattr(flex, "nsa_flex", broken_long_tiles)
+    assert check(Problem(cfg, 64)).err > 1e-2

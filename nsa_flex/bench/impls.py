@@ -154,8 +154,21 @@ def _nsa_op_check(impl: str) -> Callable[[Problem], Check]:
             ref = nsa_attention(**x32, config=cfg, impl="reference", block_indices=sel.long())
             _, own = nsa_attention(**x32, config=cfg, impl="reference", return_indices=True)
         agree = float((sel.long() == own).all(-1).float().mean())
-        return Check("vs reference fp32 given its selection", rel_err(o, ref), CHECK_TOL[p.cfg.dtype],
-                     f"selection = fp32 reference's on {agree:.1%} of queries")
+        err, note = rel_err(o, ref), f"selection = fp32 reference's on {agree:.1%} of queries"
+        if impl == "flex":
+            # The tiles follow T (FlexTiles.sel_rows / split_at): the check length takes the short-T
+            # ones, so the long-T ones (16-row selected tiles, the initial blocks' own call) are
+            # checked here too; the worse error counts.
+            from nsa_flex.flex import nsa_flex
+            from nsa_flex.tuning import FlexTiles
+
+            with torch.no_grad():
+                o_long, sel_long = nsa_flex(**x, config=cfg, tiles=FlexTiles(sel_q_block=16, split_initial=True))
+                ref_long = ref if torch.equal(sel_long, sel) else nsa_attention(
+                    **x32, config=cfg, impl="reference", block_indices=sel_long.long())
+            err = max(err, rel_err(o_long, ref_long))
+            note += "; both tile regimes"
+        return Check("vs reference fp32 given its selection", err, CHECK_TOL[p.cfg.dtype], note)
     return check
 
 
