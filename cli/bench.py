@@ -107,7 +107,7 @@ def attention(
                             notes=attention_notes(cfg), commit=git_commit)
 
     # Rewritten after every (impl, T): a run cut short still leaves what it measured.
-    rows = _run_with_progress(run_suite, cfg, progress, on_rows=save)
+    rows = _run_with_progress("attention", run_suite, cfg, progress, on_rows=save)
     paths, md = save(rows)
     for kind, path in paths.items():
         typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
@@ -115,10 +115,12 @@ def attention(
     typer.echo(md)
 
 
-def _run_with_progress(run_suite, cfg, show: bool, on_rows=None):
+def _run_with_progress(suite: str, run_suite, cfg, show: bool, on_rows=None):
+    """run_suite(suite, cfg) with a progress bar on stderr, or with plain lines when show is False."""
+    saving = {} if on_rows is None else {"on_rows": on_rows}
     if not show:
         # Plain lines (logs, CI, remote runs): one per step, so a long sweep is never silent.
-        return run_suite("attention", cfg, on_rows=on_rows,
+        return run_suite(suite, cfg, **saving,
                          progress=lambda done, total, what: typer.echo(f"  [{done}/{total}] {what}", err=True))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -126,7 +128,7 @@ def _run_with_progress(run_suite, cfg, show: bool, on_rows=None):
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task("starting", total=None)
-        return run_suite("attention", cfg, on_rows=on_rows,
+        return run_suite(suite, cfg, **saving,
                          progress=lambda done, total, what: bar.update(task, completed=done, total=total,
                                                                        description=what))
 
@@ -141,6 +143,7 @@ def decode(
     out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_decode)."),
     git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
     """One layer's NSA decode step (one CUDA graph) against dense SDPA decode over context lengths."""
     from nsa_flex.bench import default_stem, run_suite, write_report
@@ -155,7 +158,7 @@ def decode(
     if cfg.device == "cpu":
         typer.echo("No CUDA device (or --device cpu): a tiny functional decode sweep; GPU figures need CUDA.")
     typer.echo(f"bench decode: {decode_summary(cfg)}; T={list(cfg.contexts)} B={list(cfg.batches)}")
-    rows = run_suite("decode", cfg, progress=lambda done, total, what: typer.echo(f"  [{done}/{total}] {what}", err=True))
+    rows = _run_with_progress("decode", run_suite, cfg, progress)
     paths, md = write_report(out_dir, name or default_stem("decode", cfg.device), suite="decode", config=cfg,
                              rows=rows, summary=decode_summary(cfg), notes=decode_notes(cfg), commit=git_commit)
     for kind, path in paths.items():
@@ -184,6 +187,7 @@ def model(
     out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_model)."),
     git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
     """Whole-model training steps: tokens/s and peak memory of the NSA LM against the same LM with dense attention."""
     from nsa_flex.bench import default_stem, run_suite, write_report
@@ -200,8 +204,7 @@ def model(
         typer.echo("No CUDA device (or --device cpu): a tiny CPU sweep that checks everything runs; "
                    "its times are no performance figure. GPU figures need CUDA.")
     typer.echo(f"bench model: {model_summary(cfg)}; (T, B)={list(cfg.shapes)}; attentions={', '.join(cfg.attentions)}")
-    rows = run_suite("model", cfg,
-                     progress=lambda done, total, what: typer.echo(f"  [{done}/{total}] {what}", err=True))
+    rows = _run_with_progress("model", run_suite, cfg, progress)
     paths, md = write_report(out_dir, name or default_stem("model", cfg.device), suite="model", config=cfg,
                              rows=rows, summary=model_summary(cfg), notes=model_notes(cfg), commit=git_commit)
     for kind, path in paths.items():

@@ -50,7 +50,7 @@ def test_cli_flags_reach_the_config(monkeypatch, tmp_path):
     monkeypatch.setattr("nsa_flex.bench.run_suite", fake_run_suite)
     args = ["bench", "model", "--device", "cpu", "-T", "64,1k", "--batches", "3,1", "--preset", "seeds-125m",
             "--attentions", "dense", "--steps", "4", "--warmup", "2", "--dtype", "bf16", "--compile",
-            "--seed", "7", "-o", str(tmp_path), "--name", "x", "--git-commit", "abc"]
+            "--seed", "7", "-o", str(tmp_path), "--name", "x", "--git-commit", "abc", "--no-progress"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     cfg = seen["cfg"]
