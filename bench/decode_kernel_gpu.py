@@ -37,12 +37,10 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nsa_flex.bench.decode import graph_step_times
+from nsa_flex.bench.decode import graph_step_times, kernel_profile, random_step_inputs
 from nsa_flex.blocks import sort_block_indices
-from nsa_flex.cache import NSACache
-from nsa_flex.compression import Compressor
 from nsa_flex.config import PRESETS
-from nsa_flex.decode import Projected, decode_attention
+from nsa_flex.decode import decode_attention
 from nsa_flex.ops import decode_attend, decode_attend_torch
 from nsa_flex.ops.decode_attend import cmp_attention, sel_win_attention
 
@@ -84,20 +82,13 @@ class Problem:
 
     def __init__(self, B: int, T: int):
         torch.manual_seed(B * 1000 + T)
-        cfg, dev, dt = PRESETS["bench"], "cuda", torch.bfloat16
+        cfg = PRESETS["bench"]
         self.cfg, self.B, self.T = cfg, B, T
-        self.cache = NSACache(cfg, B, T + STEPS + 1, dtype=dt, device=dev)
-        for buf in (self.cache.k, self.cache.v, self.cache.k_cmp, self.cache.v_cmp, self.cache.k_tail,
-                    self.cache.v_tail):
-            buf.normal_()
-        self.start = torch.tensor([T - 1 - 97 * b for b in range(B)], device=dev)
-        self.reset()
-        k, v = (torch.randn(B, 1, cfg.n_kv_heads, D, device=dev, dtype=dt) for D in (cfg.head_dim, cfg.dv))
         # Queries larger than unit scale: a peaked compressed softmax, so the selection is not a coin toss.
-        self.pr = Projected(2 * torch.randn(B, 1, cfg.n_heads, cfg.head_dim, device=dev, dtype=dt), k, v, k, v, k, v)
-        self.gates = torch.rand(B, 1, cfg.n_heads, 3, device=dev, dtype=dt)
-        self.phi_k = Compressor(cfg, cfg.head_dim).to(dev, dt)
-        self.phi_v = Compressor(cfg, cfg.dv).to(dev, dt)
+        self.cache, self.pr, self.gates, self.phi_k, self.phi_v = random_step_inputs(
+            cfg, B, T + STEPS + 1, torch.bfloat16, "cuda", q_scale=2.0)
+        self.start = torch.tensor([T - 1 - 97 * b for b in range(B)], device="cuda")
+        self.reset()
 
     def reset(self) -> None:
         self.cache.lengths.copy_(self.start)
@@ -131,7 +122,8 @@ def run_config(row: dict, B: int, T: int, reduce_overhead: bool) -> None:
         fn = torch.compile(lambda: p.step(impl), fullgraph=True)
         row[f"step_{impl}_us"] = time_graph(fn, p.reset)
         row[f"step_{impl}_compile_s"] = round(time.perf_counter() - start, 1)
-        row[f"step_{impl}_kernels"], row[f"step_{impl}_busy_us"] = kernel_profile(fn, p.reset)
+        prof = kernel_profile(fn, p.reset)
+        row[f"step_{impl}_kernels"], row[f"step_{impl}_busy_us"] = prof["kernels"], round(prof["busy_us"], 2)
         if reduce_overhead:
             torch._dynamo.reset()
             fn = torch.compile(lambda: p.step(impl), mode="reduce-overhead", fullgraph=True)
@@ -182,19 +174,6 @@ def time_calls(fn, reset) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e6 / STEPS)
     return round(statistics.median(times), 2)
-
-
-def kernel_profile(fn, reset, steps: int = 5) -> tuple[float, float]:
-    """(GPU kernels per step, their summed us per step), no graph."""
-    from torch.profiler import ProfilerActivity, profile
-
-    reset()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels) / steps, round(sum(e.time_range.elapsed_us() for e in kernels) / steps, 2)
 
 
 COLUMNS = ("B", "T", "op_us", "step_op_us", "step_torch_us", "dense_us", "speedup_vs_dense", "speedup_vs_torch",

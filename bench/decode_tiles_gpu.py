@@ -12,7 +12,6 @@ JSON is rewritten after every variant.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_kernel_gpu import Problem, time_graph  # noqa: E402
+from records import json_saver  # noqa: E402
 
+from nsa_flex.bench.decode import kernel_profile  # noqa: E402
 from nsa_flex.ops.decode_triton import decode_attend_triton, launch_config  # noqa: E402
 
 
@@ -45,28 +46,15 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     }
 
 
-def per_kernel_us(fn, steps: int = 5) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    us: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
-    return {k: round(v, 2) for k, v in us.items()}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cases", nargs="+", default=["1:65536", "8:65536", "8:131072"])
     p.add_argument("--commit", default="")
     args = p.parse_args()
-    rows = []
+    rows: list[dict] = []
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
+    save = json_saver(args.out, {"header": header, "rows": rows})
     started = time.perf_counter()
     for case in args.cases:
         B, T = (int(s) for s in case.split(":"))
@@ -88,12 +76,11 @@ def main() -> None:
                 ref = o if ref is None else ref
                 row["max_diff_vs_default"] = float((o - ref).abs().max())
                 row["op_us"] = time_graph(op, prob.reset)
-                row["kernels_us"] = per_kernel_us(op)
+                row["kernels_us"] = kernel_profile(op, prob.reset, top=None)["top_kernels_us"]
             except Exception as exc:  # a variant that fails to launch is a result too
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
             rows.append(row)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+            save()
             print(f"[{time.perf_counter() - started:4.0f} s] {B=} {T=} {name}: {row.get('op_us')} us "
                   f"{row.get('kernels_us', row.get('error'))}", flush=True)
         torch.cuda.empty_cache()

@@ -66,7 +66,8 @@ def peak_gib(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def inputs(cfg: NSAConfig, T: int, dtype=torch.bfloat16, seed: int = 0) -> dict:
+def inputs(cfg: NSAConfig, T: int, dtype=torch.bfloat16, seed: int = 0, B: int = 1) -> dict:
+    """Random op inputs of B sequences, all taking gradients (q, k, v, k_cmp, v_cmp, gates in [0, 1))."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     Tc = num_cmp_blocks(T, cfg)
     Hq, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
@@ -74,9 +75,9 @@ def inputs(cfg: NSAConfig, T: int, dtype=torch.bfloat16, seed: int = 0) -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(True)
 
-    return {"q": randn(1, T, Hq, Dk), "k": randn(1, T, Hkv, Dk), "v": randn(1, T, Hkv, Dv),
-            "k_cmp": randn(1, Tc, Hkv, Dk), "v_cmp": randn(1, Tc, Hkv, Dv),
-            "gates": torch.rand(1, T, Hq, 3, generator=gen, device="cuda", dtype=dtype).requires_grad_(True)}
+    return {"q": randn(B, T, Hq, Dk), "k": randn(B, T, Hkv, Dk), "v": randn(B, T, Hkv, Dv),
+            "k_cmp": randn(B, Tc, Hkv, Dk), "v_cmp": randn(B, Tc, Hkv, Dv),
+            "gates": torch.rand(B, T, Hq, 3, generator=gen, device="cuda", dtype=dtype).requires_grad_(True)}
 
 
 def nsa_flops(cfg: NSAConfig, T: int) -> float:

@@ -18,7 +18,6 @@ kernel-level tuning cannot help until that is fixed. JSON is rewritten after eve
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,8 +29,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from flex_gpu import inputs  # noqa: E402
+from records import json_saver  # noqa: E402
+
 from nsa_flex import NSAConfig  # noqa: E402
-from nsa_flex.blocks import num_cmp_blocks  # noqa: E402
 from nsa_flex.flex import nsa_flex  # noqa: E402
 from nsa_flex.tuning import install_flex_tuning  # noqa: E402
 
@@ -39,17 +40,9 @@ _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", 
 
 
 def make_inputs(B, T, Hq, Hkv, D, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    """(config, bf16 op inputs) of one shape B:T:Hq:Hkv:D."""
     cfg = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
-    Tc = num_cmp_blocks(T, cfg)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-
-    x = {"q": randn(B, T, Hq, D), "k": randn(B, T, Hkv, D), "v": randn(B, T, Hkv, D),
-         "k_cmp": randn(B, Tc, Hkv, D), "v_cmp": randn(B, Tc, Hkv, D),
-         "gates": torch.rand(B, T, Hq, 3, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)}
-    return cfg, x
+    return cfg, inputs(cfg, T, seed=seed, B=B)
 
 
 def wall_ms(fn, reps: int = 10) -> float:
@@ -80,9 +73,16 @@ def kernel_table(fn) -> dict:
     for a in prof.key_averages():
         if a.self_cpu_time_total > 0 and not a.key.startswith("cuda"):
             cpu[a.key] = a.self_cpu_time_total
-    top = lambda d: {k[:90]: round(v / 1e3, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:15]}  # noqa: E731
-    return {"gpu_ms": round(sum(gpu.values()) / 1e3, 3), "kernels": n, "syncs": syncs, "top_gpu": top(gpu),
-            "top_cpu": top(cpu)}
+    return {"gpu_ms": round(sum(gpu.values()) / 1e3, 3), "kernels": n, "syncs": syncs, "top_gpu": _top(gpu),
+            "top_cpu": _top(cpu)}
+
+
+def _top(us_by_name: dict[str, float], n: int = 15, width: int = 90) -> dict[str, float]:
+    """The n largest entries in ms, names cut to `width`; names that the cut makes equal are summed."""
+    ms: dict[str, float] = {}
+    for name, us in us_by_name.items():
+        ms[name[:width]] = ms.get(name[:width], 0.0) + us / 1e3
+    return {k: round(v, 3) for k, v in sorted(ms.items(), key=lambda kv: -kv[1])[:n]}
 
 
 def main() -> None:
@@ -96,9 +96,7 @@ def main() -> None:
     rows = []
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
 
-    def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    save = json_saver(args.out, {"header": header, "rows": rows})
 
     # Every shape eagerly first: the whole-op compiles are the slow part of a run.
     for variant in args.variants.split(","):

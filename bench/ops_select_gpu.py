@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from records import json_saver  # noqa: E402
 from select_checks import assert_same_selection, importance_scores, importance_tolerance  # noqa: E402
 
 from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks  # noqa: E402
@@ -177,11 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     config = NSAConfig()
     result = {**header(), "config": dataclasses.asdict(config), "rows": []}
-
-    def save():
-        # Written after every step: a run cut short still leaves what it measured.
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    save = json_saver(args.out, result)
 
     rows = []
     for Hq in (64, 16):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops_select_gpu import header, make_inputs, row_scores, score_flops  # noqa: E402
+from records import json_saver  # noqa: E402
 from select_checks import assert_same_selection  # noqa: E402  (ops_select_gpu puts tests/ on the path)
 
 from nsa_flex.config import NSAConfig  # noqa: E402
@@ -137,10 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     config = NSAConfig()
     result = {**header(), "config": dataclasses.asdict(config), "rows": []}
-
-    def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    save = json_saver(args.out, result)
 
     rows = []
     for shape in args.shapes.split(","):

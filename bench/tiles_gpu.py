@@ -19,7 +19,6 @@ JSON is rewritten after every measurement, so a call cut short keeps what it mea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flex_gpu import bench_ms, peak_gib  # noqa: E402
 from host_profile_gpu import kernel_table, make_inputs  # noqa: E402
+from records import json_saver  # noqa: E402
 
 from nsa_flex.flex import nsa_flex  # noqa: E402
 from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
@@ -70,9 +70,7 @@ def main() -> None:
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
               "what": "nsa_flex eager glue, each Flex call compiled; dense = cuDNN SDPA causal, same run"}
 
-    def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    save = json_saver(args.out, {"header": header, "rows": rows})
 
     for shape in args.shapes:
         B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))

@@ -81,17 +81,19 @@ _SHAPE_MASKS: dict = {}
 _SHAPE_MASKS_MAX = 32
 
 
-def shape_mask(build, *args, **kwargs):
+def shape_mask(build, *args, docs: Documents | None = None, **kwargs):
     """build(*args, **kwargs) once per argument set in eager mode, for masks that depend on shapes only.
 
     The compressed, window and initial-block masks are the same on every call of one shape: at
     T=8k they are ~half of the eager op's ~450 small kernels, and at 64k ~2 ms of GPU time per
     call. Under torch.compile they are built in the graph (fused; a cached tensor there would
-    become a constant guarded by identity). Masks of packed documents depend on data: the
-    callers build those directly. Oldest entries go first past _SHAPE_MASKS_MAX. Masks made
+    become a constant guarded by identity). Masks of packed documents depend on data: with
+    docs, build(*args, docs=docs, **kwargs) runs every time. Oldest entries go first past _SHAPE_MASKS_MAX. Masks made
     under inference_mode are kept apart (autograd may not save inference tensors), and none is
     cached while a CUDA graph is being captured.
     """
+    if docs is not None:
+        return build(*args, docs=docs, **kwargs)
     if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return build(*args, **kwargs)
     key = (build, args, tuple(sorted(kwargs.items())), torch.is_inference_mode_enabled())
@@ -208,10 +210,8 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
         return (q_fold.new_zeros(B, Hkv, rows, Dv),
                 q_fold.new_full((B, Hkv * G, T), float("-inf"), dtype=torch.float32))
     S = query_chunks(rows, tiles.cmp_block[0], tiles.max_chunks, tiles.min_chunk_rows)
-    if docs is None:
-        mask = shape_mask(compressed_block_mask, T, Tc, config, q_fold.device, tiles.cmp_block, G, chunks=S, heads=Hkv)
-    else:
-        mask = compressed_block_mask(T, Tc, config, q_fold.device, tiles.cmp_block, G, docs, chunks=S, heads=Hkv)
+    mask = shape_mask(compressed_block_mask, T, Tc, config, q_fold.device, tiles.cmp_block, G, docs=docs, chunks=S,
+                      heads=Hkv)
     o, lse = _call(_flex_cmp, chunk_heads(q_fold, S), repeat_heads(k_cmp.transpose(1, 2), S),
                    repeat_heads(v_cmp.transpose(1, 2), S), mask, scale, "cmp")
     # [B, Hkv*S, rows/S] -> [B, Hkv, T, G] -> [B, Hq, T]
@@ -258,11 +258,8 @@ def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float
 def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None):
     """o [B,Hkv,T*G,Dv] of the sliding window (w tokens, the query included)."""
     T = k.shape[1]
-    G = q_fold.shape[2] // T
-    if docs is None:
-        mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, G)
-    else:
-        mask = window_block_mask(T, config.window, q_fold.device, tiles.win_block, G, docs)
+    mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, q_fold.shape[2] // T,
+                      docs=docs)
     return _call(_flex_win, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win")
 
 

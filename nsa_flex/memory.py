@@ -97,8 +97,8 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     shard = world_size if parallel == "fsdp" else 1
     a = 4 if precision == "fp32" else 2
     tokens = batch_size * seq_len
-    split = impl == "flex" and FlexTiles(sel_q_block=sel_q_block).split_at(seq_len, config.nsa)
-    layer = _layer_bytes(config, a, compiled, split)
+    tiles = FlexTiles(sel_q_block=sel_q_block)
+    layer = _layer_bytes(config, a, compiled, impl == "flex" and tiles.split_at(seq_len, config.nsa))
     if activation_checkpointing:
         activations = config.n_layers * 4 * config.dim * tokens + layer * tokens
     else:
@@ -107,7 +107,7 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     activations += (8 + a) * config.dim * tokens
     V = config.vocab_size
     logits = tokens * V * ((2 * a + 4) if compiled else (12 + a))
-    masks = _mask_bytes(config, batch_size, seq_len, impl, sel_q_block)
+    masks = _mask_bytes(config, batch_size, seq_len, impl, tiles.sel_rows(seq_len, config.nsa))
     if activation_checkpointing:
         masks //= config.n_layers
     overhead = 0
@@ -161,7 +161,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, split: bool = True
     return int(norms + mlp + attn + compress + gate + branch_out + folded - without_initial_call)
 
 
-def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int | None) -> int:
+def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int) -> int:
     """Mask/selection tensors of all layers for one micro-batch (0 for dense attention)."""
     if cfg.attention == "dense":
         return 0
@@ -175,7 +175,7 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
     else:
         indices = 8 * n.n_kv_heads * T * n.n_selected
-        q_blocks = math.ceil(T * n.group_size / FlexTiles(sel_q_block=sel_q_block).sel_rows(T, n))
+        q_blocks = math.ceil(T * n.group_size / sel_q_block)
         block_mask = 2 * 4 * n.n_kv_heads * q_blocks * Ns
         per_seq = indices + block_mask
     return cfg.n_layers * B * per_seq

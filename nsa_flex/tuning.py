@@ -66,9 +66,7 @@ class FlexTiles:
         (-18 ms of 215 at T=64k); at T=2048 with 128-row tiles it costs a call: 4.4 against
         4.9 ms forward+backward without it (bench/results/2026-11-22_h200_tiles3.json).
         """
-        if self.split_initial is not None:
-            return self.split_initial
-        return T > SHORT_SEQ_FACTOR * config.n_selected * config.sel_block
+        return (not is_short(T, config)) if self.split_initial is None else self.split_initial
 
     def sel_rows(self, T: int, config) -> int:
         """Query rows per selected-branch tile at length T: sel_q_block, or when None the measured choice.
@@ -83,11 +81,16 @@ class FlexTiles:
         """
         if self.sel_q_block is not None:
             return self.sel_q_block
-        return 128 if T <= SHORT_SEQ_FACTOR * config.n_selected * config.sel_block else 16
+        return 128 if is_short(T, config) else 16
 
 
 SHORT_SEQ_FACTOR = 2
 """See FlexTiles.sel_rows."""
+
+
+def is_short(T: int, config) -> bool:
+    """T <= SHORT_SEQ_FACTOR * n * l': the selected blocks are a large share of the sequence."""
+    return T <= SHORT_SEQ_FACTOR * config.n_selected * config.sel_block
 
 
 def install_flex_tuning() -> None:

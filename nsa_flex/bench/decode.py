@@ -21,7 +21,7 @@ import copy
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -179,23 +179,41 @@ def _run_config(cfg: DecodeBenchConfig, B: int, T: int, check) -> list[Row]:
     return rows
 
 
+class StepInputs(NamedTuple):
+    """What one decode step reads: the cache, the new token's projections and gates, phi."""
+
+    cache: NSACache
+    pr: Projected
+    gates: torch.Tensor
+    phi_k: Compressor
+    phi_v: Compressor
+
+
+def random_step_inputs(n: NSAConfig, B: int, max_len: int, dtype: torch.dtype, device, *,
+                       q_scale: float = 1.0) -> StepInputs:
+    """A cache of max_len slots of random data (lengths left at 0 for the caller to set), one new
+    token's random projections (q times q_scale), gates in [0, 1) and freshly initialised phi modules."""
+    cache = NSACache(n, B, max_len, dtype=dtype, device=device)
+    bufs = [cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.k_tail, cache.v_tail]
+    # k_win / v_win are k / v themselves unless the config gives the window its own projections.
+    for buf in bufs + ([cache.k_win, cache.v_win] if n.separate_kv else []):
+        buf.normal_()
+    kv = lambda D: torch.randn(B, 1, n.n_kv_heads, D, device=device, dtype=dtype)  # noqa: E731
+    k, v = kv(n.head_dim), kv(n.dv)
+    q = q_scale * torch.randn(B, 1, n.n_heads, n.head_dim, device=device, dtype=dtype)
+    gates = torch.rand(B, 1, n.n_heads, 3, device=device, dtype=dtype)
+    return StepInputs(cache, Projected(q, k, v, k, v, k, v), gates, Compressor(n, n.head_dim).to(device, dtype),
+                      Compressor(n, n.dv).to(device, dtype))
+
+
 class _Problem:
     """A cache holding T random tokens per sequence, one new token's projections and gates, phi."""
 
     def __init__(self, cfg: DecodeBenchConfig, B: int, T: int):
-        n, dev, dtype = cfg.nsa, cfg.device, DTYPES[cfg.dtype]
         self.T, self.cfg = T, cfg
-        self.cache = NSACache(n, B, T + SLACK, dtype=dtype, device=dev)
-        for buf in (self.cache.k, self.cache.v, self.cache.k_cmp, self.cache.v_cmp, self.cache.k_tail,
-                    self.cache.v_tail, self.cache.k_win, self.cache.v_win):
-            buf.normal_()
+        self.cache, self.pr, self.gates, self.phi_k, self.phi_v = random_step_inputs(
+            cfg.nsa, B, T + SLACK, DTYPES[cfg.dtype], cfg.device)
         self.reset()
-        kv = lambda D: torch.randn(B, 1, n.n_kv_heads, D, device=dev, dtype=dtype)  # noqa: E731
-        k, v = kv(n.head_dim), kv(n.dv)
-        self.pr = Projected(torch.randn(B, 1, n.n_heads, n.head_dim, device=dev, dtype=dtype), k, v, k, v, k, v)
-        self.gates = torch.rand(B, 1, n.n_heads, 3, device=dev, dtype=dtype)
-        self.phi_k = Compressor(n, n.head_dim).to(dev, dtype)
-        self.phi_v = Compressor(n, n.dv).to(dev, dtype)
 
     def reset(self) -> None:
         self.cache.lengths.fill_(self.T)
@@ -218,7 +236,7 @@ def _time_impl(cfg: DecodeBenchConfig, problem: _Problem, name: str, base: dict)
             fn = torch.compile(problem.nsa_step, fullgraph=True) if cuda else problem.nsa_step
             first_ms, times = _time_graph(fn, problem.reset, cfg)
             if cuda:
-                base["extra"].update(_kernel_profile(fn, problem.reset))
+                base["extra"].update(kernel_profile(fn, problem.reset))
         case "dense-sdpa":
             first_ms, times = _time_graph(_flash(problem.dense_step) if cuda else problem.dense_step,
                                           problem.reset, cfg)
@@ -305,8 +323,9 @@ def _host_times(fn, reset, cfg: DecodeBenchConfig) -> list[float]:
     return times
 
 
-def _kernel_profile(fn, reset, steps: int = 5) -> dict:
-    """Kernels per step and their summed GPU time (no graph: each kernel seen on its own)."""
+def kernel_profile(fn, reset, steps: int = 5, top: int | None = 8) -> dict:
+    """Kernels per step, their summed GPU us per step and the `top` kernels' us per step (None: all),
+    names cut to 80 characters (names the cut makes equal are summed). No graph: each kernel seen on its own."""
     from torch.profiler import ProfilerActivity, profile
 
     reset()
@@ -317,10 +336,10 @@ def _kernel_profile(fn, reset, steps: int = 5) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, float] = {}
     for e in kernels:
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.time_range.elapsed_us()
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {"kernels": len(kernels) / steps, "busy_us": sum(by_name.values()) / steps,
-            "top_kernels_us": {name[:80]: round(t / steps, 2) for name, t in top}}
+            "top_kernels_us": {name: round(t / steps, 2) for name, t in ranked}}
 
 
 def _sync(device: str) -> None:

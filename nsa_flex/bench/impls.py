@@ -15,9 +15,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from nsa_flex import flex
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.bench.flops import dense_causal_flops, nsa_flops
 from nsa_flex.blocks import num_cmp_blocks
+from nsa_flex.tuning import FlexTiles
+
+LONG_SEQ_TILES = FlexTiles(sel_q_block=16, split_initial=True)
+"""The tiles nsa_flex takes past FlexTiles' short-sequence threshold, forced (see _nsa_op_check)."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -159,11 +164,8 @@ def _nsa_op_check(impl: str) -> Callable[[Problem], Check]:
             # The tiles follow T (FlexTiles.sel_rows / split_at): the check length takes the short-T
             # ones, so the long-T ones (16-row selected tiles, the initial blocks' own call) are
             # checked here too; the worse error counts.
-            from nsa_flex.flex import nsa_flex
-            from nsa_flex.tuning import FlexTiles
-
             with torch.no_grad():
-                o_long, sel_long = nsa_flex(**x, config=cfg, tiles=FlexTiles(sel_q_block=16, split_initial=True))
+                o_long, sel_long = flex.nsa_flex(**x, config=cfg, tiles=LONG_SEQ_TILES)
                 ref_long = ref if torch.equal(sel_long, sel) else nsa_attention(
                     **x32, config=cfg, impl="reference", block_indices=sel_long.long())
             err = max(err, rel_err(o_long, ref_long))

@@ -163,6 +163,12 @@ if HAS_TRITON:
         return tl.minimum(n, Tc)
 
     @triton.jit
+    def _flash_init(ROWS: tl.constexpr, DVP: tl.constexpr):
+        """An online softmax that has seen no key: (m = -inf, l = 0, acc = 0) per row."""
+        return (tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32),
+                tl.zeros([ROWS, DVP], tl.float32))
+
+    @triton.jit
     def _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale, k_mask, v_mask,
                     F32_DOT: tl.constexpr, IEEE: tl.constexpr):
         """One key tile of an online softmax: keys where ok ([BN] columns), returns (m, l, acc, s)."""
@@ -203,9 +209,7 @@ if HAS_TRITON:
         g = tl.arange(0, ROWS)
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, DVP], tl.float32)
+        m, l, acc = _flash_init(ROWS, DVP)
         cc = tl.arange(0, BC)
         # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
         k_base = kc_ptr + b * sk_b + h * sk_h
@@ -315,9 +319,7 @@ if HAS_TRITON:
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, DVP], tl.float32)
+        m, l, acc = _flash_init(ROWS, DVP)
         tt = tl.arange(0, BN)
         for t0 in range(lo, hi, BN):
             ok = t0 + tt < hi

@@ -1,0 +1,17 @@
+"""The GPU scripts' JSON records: rewritten after every measurement, so a call cut short keeps what it measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+
+def json_saver(path: Path, record: dict) -> Callable[[], None]:
+    """A save() that writes `record` (as it is at the time of the call) to `path`, folders made as needed."""
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, default=str))
+
+    return save
