@@ -5,7 +5,8 @@
 
 A shape is B:T:Hq:Hkv:D. For each one: dense causal cuDNN SDPA (k/v expanded to Hq heads), then
 nsa_flex (eager glue, each Flex call compiled) with FlexTiles(sel_q_block=X) for every variant X
-(Xn: also split_initial=False):
+(Xn: also split_initial=False; Xc: the initial blocks in a call of their own instead of key
+copies; X@N: N query tokens per initial copy):
 forward and forward+backward medians, peak memory of one forward+backward, first-call seconds
 (compilation), and the output's largest difference from the first X's (the tiles only change
 the order of bf16 sums, so this stays at rounding level; a larger one is a bug).
@@ -54,12 +55,21 @@ def measure(fn, x: dict, grad_out) -> dict:
             "peak_gib": peak_gib(fwd_bwd)}
 
 
+def parse_variant(variant: str) -> FlexTiles:
+    """"16", "16n" (no split), "16c" (initial blocks' own call), "16@1024" (tokens per initial copy)."""
+    head, _, tokens = variant.partition("@")
+    qb = int(head.rstrip("nc"))
+    extra = {"initial_copy_tokens": int(tokens)} if tokens else {}
+    return FlexTiles(sel_q_block=qb, split_initial=not head.endswith("n"), initial_copies=not head.endswith("c"),
+                     **extra)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="+", default=["16:2048:12:3:64"])
     p.add_argument("--variants", nargs="+", default=["16", "128"],
-                   help="sel_q_block values; a trailing n: without the initial blocks' own call")
+                   help="sel_q_block values; suffix n: no initial split, c: initial blocks' own call, @N: tokens per copy")
     p.add_argument("--deadline-s", type=float, default=540)
     p.add_argument("--commit", default="")
     args = p.parse_args()
@@ -93,11 +103,11 @@ def main() -> None:
 
         ref = None
         for variant in args.variants:
-            qb, split = int(variant.rstrip("n")), not variant.endswith("n")
+            tiles = parse_variant(variant)
+            qb, split = tiles.sel_q_block, tiles.split_initial
             if time.monotonic() - START > args.deadline_s:
                 rows.append({"shape": shape, "impl": "nsa-flex", "variant": variant, "note": "skipped: deadline"})
                 continue
-            tiles = FlexTiles(sel_q_block=qb, split_initial=split)
 
             def op():
                 return nsa_flex(**x, config=cfg, tiles=tiles)[0]

@@ -27,6 +27,7 @@ from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.masks import compressed_block_mask, initial_block_mask, selection_block_mask, window_block_mask
 from nsa_flex.masks.documents import Documents, documents
+from nsa_flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
 from nsa_flex.ops.blockmask import query_chunks
 from nsa_flex.tuning import FlexTiles
@@ -224,20 +225,31 @@ def selected_parts(q_fold, k, v, block_indices, config: NSAConfig, scale: float,
     """The selected branch as parts for merge_parts: [(o [B,Hkv,T*G,Dv], lse [B,Hkv,T*G] or None)].
 
     forced_initial: every token's selection holds the first n_initial blocks (true for the
-    selection op's, not for any given one). Then those blocks, which every query visits, get
-    a call of their own with its rows in chunks (masks/selection.initial_block_mask says
-    why) and the other blocks another; the two merge through their lse. Otherwise one call.
+    selection op's, not for any given one). Then, where tiles.split_at says so, the
+    backward work of those blocks, which every query visits, is spread out: by default
+    through copies of their keys inside the one call (masks.selection.InitialCopies); with
+    tiles.initial_copies=False through a call of their own with its rows in chunks
+    (masks.selection.initial_block_mask), the two calls merged through their lse.
     """
     T = k.shape[1]
     G = q_fold.shape[2] // T
     kT, vT = k.transpose(1, 2), v.transpose(1, 2)
     n_keys = min(config.n_initial * config.sel_block, T)
-    if not (forced_initial and tiles.split_at(T, config) and docs is None and n_keys > 0):
-        mask = selection_block_mask(block_indices, T, G, config, tiles.sel_rows(T, config), docs)
+    q_rows = tiles.sel_rows(T, config)
+    split = forced_initial and tiles.split_at(T, config) and docs is None and n_keys > 0
+    copies = initial_copies(T, G, config, q_rows, tiles.initial_copy_tokens) if split and tiles.initial_copies \
+        else None
+    if copies is not None:
+        mask = selection_block_mask(block_indices, T, G, config, q_rows, copies=copies)
+        o = _call(_flex_sel, q_fold, with_initial_copies(kT, copies), with_initial_copies(vT, copies), mask,
+                  scale, "sel")
+        return [(o, None)]
+    if not split or tiles.initial_copies:
+        mask = selection_block_mask(block_indices, T, G, config, q_rows, docs)
         return [(_call(_flex_sel, q_fold, kT, vT, mask, scale, "sel"), None)]
     B, Hkv, rows, Dk = q_fold.shape
     rest = torch.where(block_indices < config.n_initial, -1, block_indices)
-    mask = selection_block_mask(rest, T, G, config, tiles.sel_rows(T, config))
+    mask = selection_block_mask(rest, T, G, config, q_rows)
     o_rest, lse_rest = _call(_flex_sel_lse, q_fold, kT, vT, mask, scale, "sel")
     q_block = 128
     S = query_chunks(rows, q_block, tiles.max_chunks, tiles.min_chunk_rows) if rows % q_block == 0 else 1
@@ -246,6 +258,17 @@ def selected_parts(q_fold, k, v, block_indices, config: NSAConfig, scale: float,
     o_init, lse_init = _call(_flex_init, chunk_heads(q_fold, S), repeat_heads(kT[:, :, :n_keys], S),
                              repeat_heads(vT[:, :, :n_keys], S), init_mask, scale, "init")
     return [(o_rest, lse_rest), (o_init.view(B, Hkv, rows, -1), lse_init.view(B, Hkv, rows))]
+
+
+def with_initial_copies(x_bhtd: torch.Tensor, copies: InitialCopies) -> torch.Tensor:
+    """[B, H, T, D] keys or values -> [B, H, copies.kv_len, D]: padded to copies.start, then the copies.
+
+    One contiguous tensor (Flex then reads each l'-key block as one span); autograd sums the
+    copies' gradients back into the initial keys.
+    """
+    B, H, T, D = x_bhtd.shape
+    pad = x_bhtd.new_zeros(B, H, copies.start - T, D)
+    return torch.cat([x_bhtd, pad, x_bhtd[:, :, :copies.keys].repeat(1, 1, copies.count, 1)], dim=2)
 
 
 def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,

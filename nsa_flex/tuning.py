@@ -43,8 +43,16 @@ class FlexTiles:
     min_chunk_rows: int = 4096
     """Fewest folded query rows per chunk."""
     split_initial: bool | None = None
-    """Attend to the forced initial blocks in a call of their own (masks.selection.initial_block_mask).
-    None: only at the lengths where the selected branch takes 16-row tiles (see `sel_rows`)."""
+    """Spread the forced initial blocks' backward work (every query visits them): see
+    `initial_copies`. None: only at the lengths where the selected branch takes 16-row tiles
+    (see `sel_rows`)."""
+    initial_copies: bool = True
+    """How the split is done. True: the initial keys are appended as copies, one per
+    `initial_copy_tokens` query tokens, inside the one selected call
+    (masks.selection.InitialCopies). False: the initial blocks get a Flex call of their own,
+    merged with the others through the two log-sum-exps (masks.selection.initial_block_mask)."""
+    initial_copy_tokens: int = 2048
+    """Query tokens served by one copy of the initial blocks."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -57,6 +65,8 @@ class FlexTiles:
             raise ValueError(f"FlexTiles.max_chunks={self.max_chunks!r}: must be a power of two >= 1")
         if self.min_chunk_rows < 1:
             raise ValueError(f"FlexTiles.min_chunk_rows={self.min_chunk_rows!r}: must be >= 1")
+        if self.initial_copy_tokens < 1:
+            raise ValueError(f"FlexTiles.initial_copy_tokens={self.initial_copy_tokens!r}: must be >= 1")
 
 
     def split_at(self, T: int, config) -> bool:

@@ -122,6 +122,8 @@ def test_flex_tiles_validate():
         FlexTiles(max_chunks=3)
     with pytest.raises(ValueError, match="min_chunk_rows=0: must be >= 1"):
         FlexTiles(min_chunk_rows=0)
+    with pytest.raises(ValueError, match="initial_copy_tokens=0: must be >= 1"):
+        FlexTiles(initial_copy_tokens=0)
 
 
 # ---------------------------------------------------------------- masks
@@ -245,6 +247,79 @@ def test_selection_block_mask(T, G, q_block, sel_block):
     assert bm.kv_indices.shape[1] == Hkv and bm.seq_lengths == (T * G, T)
     check_block_mask(bm, dense_folded)
     assert torch.equal(create_mask(bm.mask_mod, B, Hkv, T * G, T, "cpu"), dense_folded)
+
+
+@pytest.mark.parametrize("T,G,q_block,tokens,n_initial", [
+    pytest.param(300, 4, 16, 64, 1, id="T300-G4-64tok"),
+    pytest.param(257, 16, 16, 100, 1, id="T257-G16-tokens-rounded"),
+    pytest.param(400, 2, 16, 96, 2, id="T400-G2-two-initial-blocks"),
+    pytest.param(333, 1, 16, 48, 1, id="T333-G1"),
+])
+def test_selection_block_mask_with_initial_copies(T, G, q_block, tokens, n_initial):
+    """Copies of the initial keys: token t sees them only through copy t // tokens, blocks listed exactly."""
+    from nsa_flex.masks.selection import initial_copies
+
+    L = 32
+    cfg = small_config(G, 16, 16, 2, n_selected=5, sel_block=L, n_initial=n_initial)
+    B, Hkv = 2, 2
+    idx = random_selection(B, Hkv, T, cfg)
+    assert (idx[..., 0] == 0).all()  # the forced block 0 is there
+    copies = initial_copies(T, G, cfg, q_block, tokens)
+    assert copies is not None and copies.tokens % max(1, q_block // G) == 0 and copies.tokens >= tokens
+    assert copies.start % L == 0 and copies.start >= T and copies.count == -(-T // copies.tokens)
+    dense = _selection_mask(idx, T, cfg).repeat_interleave(G, dim=2)  # [B, Hkv, T*G, T]
+    expected = torch.zeros(B, Hkv, T * G, copies.kv_len, dtype=torch.bool)
+    keys = copies.keys
+    expected[..., :T] = dense
+    expected[..., :keys] = False
+    span = (torch.arange(T * G) // G) // copies.tokens  # each row's copy
+    for c in range(copies.count):
+        rows = span == c
+        expected[:, :, rows, copies.start + c * keys:copies.start + (c + 1) * keys] = dense[:, :, rows, :keys]
+    bm = selection_block_mask(idx.to(torch.int32), T, G, cfg, q_block, copies=copies)
+    assert bm.seq_lengths == (T * G, copies.kv_len)
+    check_block_mask(bm, expected)
+    assert torch.equal(create_mask(bm.mask_mod, B, Hkv, T * G, copies.kv_len, "cpu"), expected)
+    # Each copy's backward list holds only its own span's tiles (the point of the copies).
+    n_tiles = T * G // q_block
+    first_copy = copies.start // L
+    q_lists = listed(bm.full_q_num_blocks, bm.full_q_indices, n_tiles) | listed(bm.q_num_blocks, bm.q_indices,
+                                                                                  n_tiles)
+    for c in range(copies.count):
+        tiles_of_c = q_lists[..., first_copy + c * n_initial, :].nonzero()[:, -1]
+        assert tiles_of_c.numel() and ((tiles_of_c * q_block // G) // copies.tokens == c).all()
+
+
+def test_initial_copies_only_where_they_split_the_work():
+    from nsa_flex.masks.selection import initial_copies
+
+    cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
+    assert initial_copies(2048, 16, cfg, 16, 2048) is None
+    c = initial_copies(65536, 16, cfg, 16, 2048)
+    assert (c.count, c.keys, c.start, c.kv_len) == (32, 64, 65536, 65536 + 32 * 64)
+    assert initial_copies(5000, 4, cfg, 16, 1000).tokens == 1000  # 4 tokens per tile divide it
+    assert initial_copies(5000, 3, cfg, 16, 1000).tokens == 1008  # a 16-row tile of G=3 spans 16 rows' tokens
+
+
+@pytest.mark.parametrize("T,G,Hkv,B,n_initial", [(600, 4, 2, 2, 1), (700, 16, 1, 1, 2), (333, 2, 2, 1, 1)])
+def test_initial_copies_equal_one_plain_call(T, G, Hkv, B, n_initial):
+    """The selected branch with initial copies (and with the initial blocks' own call) equals the plain call."""
+    from nsa_flex.flex import fold, selected_branch
+
+    cfg = small_config(G, 32, 16, Hkv, n_initial=n_initial, n_local=1, sel_block=32)
+    x = random_inputs(cfg, T, B=B, seed=4)
+    _, sel = nsa_reference(**x, config=cfg)
+    q_fold, scale = fold(x["q"], Hkv), 32 ** -0.5
+    plain = FlexTiles(split_initial=False)
+    copied = FlexTiles(sel_q_block=16, split_initial=True, initial_copy_tokens=128)
+    own_call = FlexTiles(sel_q_block=16, split_initial=True, initial_copies=False, min_chunk_rows=128)
+    with torch.no_grad():
+        s_plain = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, plain, forced_initial=True)
+        s_copied = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, copied, forced_initial=True)
+        s_call = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, own_call, forced_initial=True)
+    tol = 1e3 * torch.finfo(torch.float64).eps
+    assert (s_plain - s_copied).abs().max() <= tol
+    assert (s_plain - s_call).abs().max() <= tol
 
 
 def test_selection_bits_high_bit():

@@ -9,6 +9,13 @@ heads of the folded query, so the GPU (h % H_mask) and CPU (h // G) head mapping
 The mask_mod is exact on its own (a bit set of the selected blocks per token, plus
 causality), so eager, CPU and GPU flex agree; the block lists only skip work.
 
+Initial-block copies (long sequences): every token selects the first n_initial blocks, so
+in the backward the one dK/dV program of block 0 would walk every query tile alone (25 ms
+of a 123 ms forward+backward at T=64k, G=16 on an H200). With `InitialCopies` the keys of
+those blocks are appended after the (l'-padded) keys once per span of `tokens` query
+tokens, and each span's tiles list their own copy instead of block 0: the same keys and
+the same one softmax, but many short programs; autograd sums the copies' dK/dV back.
+
 Packed documents: block ids are document-local, so a selected block covers
 [start + j*l', start + (j+1)*l') and may straddle two of the mask's l'-token kv blocks;
 those kv blocks are listed, all as partial (mask_mod applied everywhere: correct, a little
@@ -18,6 +25,7 @@ slower than the full-block path of single sequences).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -44,10 +52,46 @@ def selection_bits(block_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
 
 
-def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int, docs: Documents | None = None):
+@dataclass(frozen=True)
+class InitialCopies:
+    """Where the copies of the forced initial blocks sit among the selected branch's keys.
+
+    Copy c holds keys [0, keys) again at positions start + c*keys ...; query token t uses copy
+    t // tokens and no longer block 0 itself. start is T rounded up to l', so copies begin on
+    a kv-block boundary (the padding keys in between are never visible).
+    """
+
+    tokens: int
+    count: int
+    keys: int
+    start: int
+
+    @property
+    def kv_len(self) -> int:
+        return self.start + self.count * self.keys
+
+
+def initial_copies(T: int, G: int, config: NSAConfig, q_block: int, tokens: int) -> InitialCopies | None:
+    """The copy layout for length T, or None where one copy would serve every token anyway.
+
+    tokens (query tokens per copy) is rounded up so that no query tile straddles two spans.
+    """
+    per_tile = max(1, q_block // G) if q_block % G == 0 else q_block
+    tokens = -(-max(tokens, per_tile) // per_tile) * per_tile
+    count = -(-T // tokens)
+    keys = config.n_initial * config.sel_block
+    if count <= 1 or keys > T:
+        return None
+    return InitialCopies(tokens=tokens, count=count, keys=keys, start=num_sel_blocks(T, config) * config.sel_block)
+
+
+def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int, docs: Documents | None = None,
+                       copies: InitialCopies | None = None):
     """mask_mod over folded rows: row rho (token t = rho // G) sees key s iff s <= t and block(s) is selected.
 
-    With documents, block(s) is document-local and s must lie in t's document.
+    With documents, block(s) is document-local and s must lie in t's document. With copies,
+    key positions past copies.start are copies of the initial keys, and token t sees the
+    initial blocks only through its own copy.
     """
 
     def sel_mask(b, h, q_idx, kv_idx):
@@ -55,6 +99,24 @@ def selection_mask_mod(bits: torch.Tensor, G: int, sel_block: int, docs: Documen
         blk = kv_idx // sel_block
         word = bits[b, h, t, blk // WORD]
         return (kv_idx <= t) & (((word >> (blk % WORD)) & 1) != 0)
+
+    if copies is not None:
+        if docs is not None:
+            raise ValueError("initial-block copies are for single sequences, not packed documents")
+        n_initial = copies.keys // sel_block
+
+        def sel_copies_mask(b, h, q_idx, kv_idx):
+            t = q_idx // G
+            rel = kv_idx - copies.start
+            in_copy = rel >= 0
+            rel = torch.where(in_copy, rel, 0)
+            src = torch.where(in_copy, rel % copies.keys, kv_idx)
+            blk = src // sel_block
+            word = bits[b, h, t, blk // WORD]
+            own = torch.where(in_copy, rel // copies.keys == t // copies.tokens, blk >= n_initial)
+            return own & (src <= t) & (((word >> (blk % WORD)) & 1) != 0)
+
+        return sel_copies_mask
 
     if docs is None:
         return sel_mask
@@ -77,13 +139,15 @@ def tokens_per_tile(G: int, q_block: int) -> int:
 
 
 def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NSAConfig,
-                         q_block: int = 16, docs: Documents | None = None) -> BlockMask:
+                         q_block: int = 16, docs: Documents | None = None,
+                         copies: InitialCopies | None = None) -> BlockMask:
     """BlockMask [B, Hkv, T*G, T] of the selected branch, folded layout, from [B, Hkv, T, n] indices.
 
     Query tiles of q_block rows, kv blocks of l' tokens. A kv block is "full" for a tile when
     every token of the tile selected it and it ends before the tile's first token; the
     rest of the union is "partial" (mask_mod applied). Both directions are emitted from the
-    indices with O(T*n) sort/scatter work.
+    indices with O(T*n) sort/scatter work. With copies the keys are [B, Hkv, copies.kv_len]
+    (see InitialCopies) and the initial blocks are listed as each tile's own copy.
     """
     B, Hkv, _, n = block_indices.shape
     L = config.sel_block
@@ -107,7 +171,13 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
         full_ok = torch.zeros_like(cand, dtype=torch.bool)
     # A block starting after its token holds no key that token sees: leave it out.
     useful = member[..., None] & (cand >= 0) & (cand * L <= tok[..., None])
-    cand = torch.where(useful, cand, -1).flatten(-2)
+    cand = torch.where(useful, cand, -1)
+    if copies is not None:
+        n_initial = copies.keys // L
+        copy_block = n_blocks + (tok // copies.tokens)[..., None] * n_initial + cand
+        cand = torch.where((cand >= 0) & (cand < n_initial), copy_block, cand)
+        n_blocks += copies.count * n_initial
+    cand = cand.flatten(-2)
     n_members = (t_hi - t_lo + 1).expand(B, Hkv, n_tiles)
     width = min(cand.shape[-1], n_blocks)
     partial_kv, full_kv = union_blocks(cand, n_members, full_ok.flatten(-2), width)
@@ -118,8 +188,10 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     # torch 2.11: bench/results/flex_gpu_tests.txt.)
     partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
     full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
-    mask_mod = selection_mask_mod(selection_bits(block_indices, n_blocks), G, L, docs)
-    return make_block_mask((rows, T), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)
+    bits = selection_bits(block_indices, num_sel_blocks(T, config))
+    mask_mod = selection_mask_mod(bits, G, L, docs, copies)
+    kv_len = T if copies is None else copies.kv_len
+    return make_block_mask((rows, kv_len), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)
 
 
 def _global_blocks(local_bhtrn: torch.Tensor, tok_tr: torch.Tensor, docs: Documents, L: int) -> torch.Tensor:
