@@ -5,8 +5,7 @@
 
 A shape is B:T:Hq:Hkv:D. For each one: dense causal cuDNN SDPA (k/v expanded to Hq heads), then
 nsa_flex (eager glue, each Flex call compiled) with FlexTiles(sel_q_block=X) for every variant X
-(Xn: also split_initial=False; Xc: the initial blocks in a call of their own instead of key
-copies; X@N: N query tokens per initial copy):
+(Xn: also split_initial=False; X@N: N query tokens per initial copy):
 forward and forward+backward medians, peak memory of one forward+backward, first-call seconds
 (compilation), and the output's largest difference from the first X's (the tiles only change
 the order of bf16 sums, so this stays at rounding level; a larger one is a bug).
@@ -56,12 +55,10 @@ def measure(fn, x: dict, grad_out) -> dict:
 
 
 def parse_variant(variant: str) -> FlexTiles:
-    """"16", "16n" (no split), "16c" (initial blocks' own call), "16@1024" (tokens per initial copy)."""
+    """"16", "16n" (no initial split), "16@1024" (tokens per initial copy)."""
     head, _, tokens = variant.partition("@")
-    qb = int(head.rstrip("nc"))
     extra = {"initial_copy_tokens": int(tokens)} if tokens else {}
-    return FlexTiles(sel_q_block=qb, split_initial=not head.endswith("n"), initial_copies=not head.endswith("c"),
-                     **extra)
+    return FlexTiles(sel_q_block=int(head.rstrip("n")), split_initial=not head.endswith("n"), **extra)
 
 
 def main() -> None:
@@ -69,7 +66,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="+", default=["16:2048:12:3:64"])
     p.add_argument("--variants", nargs="+", default=["16", "128"],
-                   help="sel_q_block values; suffix n: no initial split, c: initial blocks' own call, @N: tokens per copy")
+                   help="sel_q_block values; suffix n: no initial split, @N: query tokens per initial copy")
     p.add_argument("--deadline-s", type=float, default=540)
     p.add_argument("--commit", default="")
     args = p.parse_args()

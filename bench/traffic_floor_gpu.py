@@ -37,7 +37,7 @@ from flex_gpu import bench_ms  # noqa: E402
 from host_profile_gpu import make_inputs  # noqa: E402
 from records import json_saver  # noqa: E402
 
-from nsa_flex.flex import fold, nsa_flex, selected_parts  # noqa: E402
+from nsa_flex.flex import fold, nsa_flex, selected_branch  # noqa: E402
 from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
 
 
@@ -112,7 +112,7 @@ def main() -> None:
         with torch.no_grad():
             for label, tiles in [("flex_sel_fwd_ms", FlexTiles(sel_q_block=16, split_initial=True)),
                                  ("flex_sel_fwd_no_split_ms", FlexTiles(sel_q_block=16, split_initial=False))]:
-                r[label] = round(bench_ms(lambda tiles=tiles: selected_parts(q_fold, k, v, sel, cfg, scale, tiles,
+                r[label] = round(bench_ms(lambda tiles=tiles: selected_branch(q_fold, k, v, sel, cfg, scale, tiles,
                                                                              forced_initial=True)), 3)
             r["nsa_flex_fwd_ms"] = round(bench_ms(lambda: nsa_flex(**x, config=cfg)), 3)
             G = Hq // Hkv

@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import AuxRequest, create_mask, flex_atte
 from nsa_flex import tuning
 from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
-from nsa_flex.masks import compressed_block_mask, initial_block_mask, selection_block_mask, window_block_mask
+from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
 from nsa_flex.masks.documents import Documents, documents
 from nsa_flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
@@ -44,23 +44,12 @@ def _flex_sel(q, k, v, block_mask, scale, kernel_options):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
 
 
-def _flex_sel_lse(q, k, v, block_mask, scale, kernel_options):
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True),
-                          kernel_options=kernel_options)
-
-
-def _flex_init(q, k, v, block_mask, scale, kernel_options):
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True),
-                          kernel_options=kernel_options)
-
-
 def _flex_win(q, k, v, block_mask, scale, kernel_options):
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
 
 
-_COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_flex_cmp, _flex_sel, _flex_sel_lse, _flex_init,
-                                                               _flex_win)}
-_WITH_LSE = (_flex_cmp, _flex_sel_lse, _flex_init)
+_COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_flex_cmp, _flex_sel, _flex_win)}
+_WITH_LSE = (_flex_cmp,)
 
 
 def _call(fn, q, k, v, block_mask, scale, branch: str):
@@ -130,41 +119,27 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     if block_indices is None:
         block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
                                       cu_seqlens_cmp=cu_cmp)
-    sel_parts = selected_parts(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial)
+    o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial)
     k_win, v_win = (k if k_win is None else k_win), (v if v_win is None else v_win)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
     combine = _COMPILED_SUM if q.is_cuda else gated_sum
-    return combine(o_cmp, sel_parts, o_win, gates, T), block_indices
+    return combine(o_cmp, o_sel, o_win, gates, T), block_indices
 
 
-def gated_sum(o_cmp, sel_parts, o_win, gates, T: int) -> torch.Tensor:
+def gated_sum(o_cmp, o_sel, o_win, gates, T: int) -> torch.Tensor:
     """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in at least fp32 (fp64 stays fp64), unfolded to [B,T,Hq,Dv].
 
-    o_sel comes as parts to merge (see selected_parts). Compiled on CUDA (one fused kernel each
-    way; eager it costs 18 / 40 ms forward / forward+backward at T=64k on an H200).
+    Compiled on CUDA (one fused kernel each way; eager it costs 18 / 40 ms forward /
+    forward+backward at T=64k on an H200).
     """
     acc = torch.promote_types(o_cmp.dtype, torch.float32)
     g = gates.to(acc)
-    o_sel = merge_parts(sel_parts, acc)
-    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * unfold(o_sel, T) \
+    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * unfold(o_sel, T).to(acc) \
         + g[..., 2:3] * unfold(o_win, T).to(acc)
     return o.to(o_cmp.dtype)
 
 
 _COMPILED_SUM = torch.compile(gated_sum, dynamic=False)
-
-
-def merge_parts(parts, acc: torch.dtype) -> torch.Tensor:
-    """One softmax over the union of the parts' keys: [(o, lse)] with o [B,H,R,Dv], lse [B,H,R] -> o (acc).
-
-    A single part without lse is returned as is. Each part's weight is exp(lse_i - lse) with
-    lse = logsumexp_i lse_i; a part that saw no key has lse -inf and weight 0.
-    """
-    if len(parts) == 1 and parts[0][1] is None:
-        return parts[0][0].to(acc)
-    lse = torch.stack([p[1].to(acc) for p in parts]).logsumexp(0)
-    # Every row sees at least one key of some part (the initial blocks), so lse is finite.
-    return sum(o.to(acc) * torch.exp(lse_i.to(acc) - lse)[..., None] for o, lse_i in parts)
 
 
 def fold(x_bthd: torch.Tensor, Hkv: int) -> torch.Tensor:
@@ -220,44 +195,29 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
     return o.view(B, Hkv, rows, Dv), lse
 
 
-def selected_parts(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
-                   docs: Documents | None = None, forced_initial: bool = False) -> list:
-    """The selected branch as parts for merge_parts: [(o [B,Hkv,T*G,Dv], lse [B,Hkv,T*G] or None)].
+def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
+                    docs: Documents | None = None, forced_initial: bool = False):
+    """o [B,Hkv,T*G,Dv] of the selected blocks, one Flex call.
 
     forced_initial: every token's selection holds the first n_initial blocks (true for the
-    selection op's, not for any given one). Then, where tiles.split_at says so, the
-    backward work of those blocks, which every query visits, is spread out: by default
-    through copies of their keys inside the one call (masks.selection.InitialCopies); with
-    tiles.initial_copies=False through a call of their own with its rows in chunks
-    (masks.selection.initial_block_mask), the two calls merged through their lse.
+    selection op's, not for any given one). Then, where tiles.split_at says so, the keys of
+    those blocks, which every query visits, are appended as copies, one per span of query
+    tokens (masks.selection.InitialCopies): in the backward no single program walks every
+    query tile. That took 174.1 against 194.6 ms forward+backward without it at T=64k, G=16,
+    and beat a separate call for those blocks merged through the lse (178.3 ms, 3.9 GiB
+    more; H200, bench/results/2026-11-22_h200_tiles_copies.json).
     """
     T = k.shape[1]
     G = q_fold.shape[2] // T
     kT, vT = k.transpose(1, 2), v.transpose(1, 2)
-    n_keys = min(config.n_initial * config.sel_block, T)
     q_rows = tiles.sel_rows(T, config)
-    split = forced_initial and tiles.split_at(T, config) and docs is None and n_keys > 0
-    copies = initial_copies(T, G, config, q_rows, tiles.initial_copy_tokens) if split and tiles.initial_copies \
-        else None
+    copies = None
+    if forced_initial and tiles.split_at(T, config) and docs is None:
+        copies = initial_copies(T, G, config, q_rows, tiles.initial_copy_tokens)
+    mask = selection_block_mask(block_indices, T, G, config, q_rows, docs, copies=copies)
     if copies is not None:
-        mask = selection_block_mask(block_indices, T, G, config, q_rows, copies=copies)
-        o = _call(_flex_sel, q_fold, with_initial_copies(kT, copies), with_initial_copies(vT, copies), mask,
-                  scale, "sel")
-        return [(o, None)]
-    if not split or tiles.initial_copies:
-        mask = selection_block_mask(block_indices, T, G, config, q_rows, docs)
-        return [(_call(_flex_sel, q_fold, kT, vT, mask, scale, "sel"), None)]
-    B, Hkv, rows, Dk = q_fold.shape
-    rest = torch.where(block_indices < config.n_initial, -1, block_indices)
-    mask = selection_block_mask(rest, T, G, config, q_rows)
-    o_rest, lse_rest = _call(_flex_sel_lse, q_fold, kT, vT, mask, scale, "sel")
-    q_block = 128
-    S = query_chunks(rows, q_block, tiles.max_chunks, tiles.min_chunk_rows) if rows % q_block == 0 else 1
-    init_mask = shape_mask(initial_block_mask, T, n_keys, G, q_fold.device, (q_block, config.sel_block), chunks=S,
-                           heads=Hkv)
-    o_init, lse_init = _call(_flex_init, chunk_heads(q_fold, S), repeat_heads(kT[:, :, :n_keys], S),
-                             repeat_heads(vT[:, :, :n_keys], S), init_mask, scale, "init")
-    return [(o_rest, lse_rest), (o_init.view(B, Hkv, rows, -1), lse_init.view(B, Hkv, rows))]
+        kT, vT = with_initial_copies(kT, copies), with_initial_copies(vT, copies)
+    return _call(_flex_sel, q_fold, kT, vT, mask, scale, "sel")
 
 
 def with_initial_copies(x_bhtd: torch.Tensor, copies: InitialCopies) -> torch.Tensor:
@@ -269,13 +229,6 @@ def with_initial_copies(x_bhtd: torch.Tensor, copies: InitialCopies) -> torch.Te
     B, H, T, D = x_bhtd.shape
     pad = x_bhtd.new_zeros(B, H, copies.start - T, D)
     return torch.cat([x_bhtd, pad, x_bhtd[:, :, :copies.keys].repeat(1, 1, copies.count, 1)], dim=2)
-
-
-def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
-                    docs: Documents | None = None, forced_initial: bool = False):
-    """o [B,Hkv,T*G,Dv] of the selected blocks (the parts of selected_parts merged, q's dtype)."""
-    parts = selected_parts(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial)
-    return merge_parts(parts, torch.promote_types(q_fold.dtype, torch.float32)).to(q_fold.dtype)
 
 
 def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None):

@@ -130,10 +130,10 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
 def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, split: bool = True) -> int:
     """Bytes saved for the backward per token per layer (a = activation bytes, fp32 residual).
 
-    split: the selected branch's initial blocks have their own Flex call (FlexTiles.split_at).
-    The terms below were fitted with that call, whose output and the fp32 operands of the lse
-    merge are kept for the backward; without it the peak was 3.15 GiB lower (seeds-125m,
-    S=2048, B=16, H200): ~(8 + 2a) bytes per output element.
+    split: the selected branch's keys and values carry the initial-block copies
+    (FlexTiles.split_at): one contiguous copy of each is kept for the backward. The other
+    terms were fitted on an H200 when the split was a separate Flex call, whose output and
+    the fp32 operands of its lse merge, ~(8 + 2a) bytes per output element, are gone now.
     """
     n = cfg.nsa
     C, F, Hq = cfg.dim, cfg.mlp_hidden, n.n_heads
@@ -157,8 +157,8 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, split: bool = True
     gate = 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
     branch_out = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
     folded = a * (Aq + Ao)
-    without_initial_call = 0 if split else (8 + 2 * a) * Ao
-    return int(norms + mlp + attn + compress + gate + branch_out + folded - without_initial_call)
+    copies = a * (Ak + Av) if split else 0
+    return int(norms + mlp + attn + compress + gate + branch_out + folded - (8 + 2 * a) * Ao + copies)
 
 
 def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int) -> int:

@@ -43,16 +43,11 @@ class FlexTiles:
     min_chunk_rows: int = 4096
     """Fewest folded query rows per chunk."""
     split_initial: bool | None = None
-    """Spread the forced initial blocks' backward work (every query visits them): see
-    `initial_copies`. None: only at the lengths where the selected branch takes 16-row tiles
-    (see `sel_rows`)."""
-    initial_copies: bool = True
-    """How the split is done. True: the initial keys are appended as copies, one per
-    `initial_copy_tokens` query tokens, inside the one selected call
-    (masks.selection.InitialCopies). False: the initial blocks get a Flex call of their own,
-    merged with the others through the two log-sum-exps (masks.selection.initial_block_mask)."""
+    """Spread the backward work of the forced initial blocks (every query visits them) over
+    copies of their keys, one per `initial_copy_tokens` query tokens (masks.selection.InitialCopies).
+    None: only at the lengths where the selected branch takes 16-row tiles (see `sel_rows`)."""
     initial_copy_tokens: int = 2048
-    """Query tokens served by one copy of the initial blocks."""
+    """Query tokens served by one copy of the initial blocks (1024 measured the same at 16k and 64k)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -70,11 +65,11 @@ class FlexTiles:
 
 
     def split_at(self, T: int, config) -> bool:
-        """Whether the initial blocks get their own call at length T (split_initial, or by length).
+        """Whether the initial blocks' keys are split over copies at length T (split_initial, or by length).
 
         The split pays where block 0's backward program would walk very many query tiles
-        (-18 ms of 215 at T=64k); at T=2048 with 128-row tiles it costs a call: 4.4 against
-        4.9 ms forward+backward without it (bench/results/2026-11-22_h200_tiles3.json).
+        (174.1 against 194.6 ms forward+backward at T=64k, G=16: bench/results/
+        2026-11-22_h200_tiles_copies.json); at T <= 2*n*l' one copy would serve every token.
         """
         return (not is_short(T, config)) if self.split_initial is None else self.split_initial
 
@@ -134,9 +129,8 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
                           kv_block: int = 128) -> dict:
     """kernel_options for one branch's flex call on CUDA: tiles keyed on the qk head dim and dtype.
 
-    branch: "cmp" / "win" (128x128 BlockMask blocks), "sel" (folded, q_block-row query
-    tiles, l'-token kv blocks) or "init" (the initial selected blocks: 128-row query tiles,
-    l'-token kv blocks). Every tile divides the corresponding BlockMask block size.
+    branch: "cmp" / "win" (128x128 BlockMask blocks) or "sel" (folded, q_block-row query
+    tiles, l'-token kv blocks). Every tile divides the corresponding BlockMask block size.
     """
     # One code path for every length: the decode kernel would take queries shorter than 128.
     opts: dict = {"FORCE_USE_FLEX_ATTENTION": True}
@@ -144,23 +138,13 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
     f32 = dtype == torch.float32
     if branch in ("cmp", "win"):
         return opts
-    if branch not in ("sel", "init"):
-        raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel', 'init'")
+    if branch != "sel":
+        raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel'")
     if kv_block < 16 or kv_block & (kv_block - 1):
         raise ValueError(f"NSAConfig.sel_block={kv_block}: impl='flex' on CUDA needs a power of two >= 16 "
                          "(the selected blocks are the kernel's kv blocks); use impl='reference' otherwise")
     block_n = min(kv_block, 32 if (wide or f32) else 64)
     stages = 2 if (wide or f32) else 3
-    if branch == "init":
-        # 128-row query tiles: wider than the selected branch's, still dividing l' for the kv side
-        # (Inductor's sm90 default backward has N1 = 128 > l' = 64, which would leave no config).
-        small = wide or f32
-        opts.update(
-            fwd_BLOCK_M=64, fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,
-            bwd_BLOCK_M1=16 if small else 32, bwd_BLOCK_N1=block_n, bwd_BLOCK_M2=16 if small else 64,
-            bwd_BLOCK_N2=16 if small else block_n, bwd_num_warps=4, bwd_num_stages=stages,
-        )
-        return opts
     # Backward: dK/dV loop (M1 query rows per step over N1 keys), dQ loop (M2 rows, N2 keys);
     # Triton needs N1 % M1 == 0 and M2 % N2 == 0. Query tiles of 64+ rows take wider ones:
     # 4.9 against 7.0 ms forward+backward at T=2048, G=4 with 128-row tiles (tiles2.json).

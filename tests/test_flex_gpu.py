@@ -97,21 +97,18 @@ def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w,
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
 
-# copies: the initial keys appended once per 256 query tokens (the default way); False: their own call.
-@pytest.mark.parametrize("copies", [True, False], ids=["copies", "own-call"])
 @pytest.mark.parametrize("G,Hkv,T,dtype,n_initial,min_rows", [
     pytest.param(16, 1, 1024, BF16, 1, 512, id="G16-T1024-bf16-16chunks"),
     pytest.param(4, 2, 768, FP16, 2, 256, id="G4-Hkv2-T768-fp16-init2-8chunks"),
     pytest.param(4, 2, 1000, BF16, 1, 256, id="G4-Hkv2-T1000-bf16"),
 ])
-def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_initial, min_rows, copies):
-    """The compressed branch's rows in chunks (extra heads) and the initial blocks split, fwd + bwd."""
+def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_initial, min_rows):
+    """The compressed branch's rows in chunks (extra heads) and the initial keys in copies (one per 256 tokens)."""
     install_flex_tuning()
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=128, n_selected=8, window=256, n_initial=n_initial)
     x = cuda_inputs(cfg, T, 1, dtype, seed=T)
     do = torch.randn(1, T, G * Hkv, 128, device="cuda", dtype=dtype)
-    tiles = FlexTiles(sel_q_block=16, min_chunk_rows=min_rows, split_initial=True, initial_copies=copies,
-                      initial_copy_tokens=256)
+    tiles = FlexTiles(sel_q_block=16, min_chunk_rows=min_rows, split_initial=True, initial_copy_tokens=256)
     o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=tiles)
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 

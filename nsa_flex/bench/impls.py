@@ -21,8 +21,9 @@ from nsa_flex.bench.flops import dense_causal_flops, nsa_flops
 from nsa_flex.blocks import num_cmp_blocks
 from nsa_flex.tuning import FlexTiles
 
-LONG_SEQ_TILES = FlexTiles(sel_q_block=16, split_initial=True)
-"""The tiles nsa_flex takes past FlexTiles' short-sequence threshold, forced (see _nsa_op_check)."""
+LONG_SEQ_TILES = FlexTiles(sel_q_block=16, split_initial=True, initial_copy_tokens=512)
+"""The tiles nsa_flex takes past FlexTiles' short-sequence threshold, forced, with initial-key copies
+short enough to be several at the check's length (see _nsa_op_check)."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -162,7 +163,7 @@ def _nsa_op_check(impl: str) -> Callable[[Problem], Check]:
         err, note = rel_err(o, ref), f"selection = fp32 reference's on {agree:.1%} of queries"
         if impl == "flex":
             # The tiles follow T (FlexTiles.sel_rows / split_at): the check length takes the short-T
-            # ones, so the long-T ones (16-row selected tiles, the initial blocks' own call) are
+            # ones, so the long-T ones (16-row selected tiles, initial-key copies) are
             # checked here too; the worse error counts.
             with torch.no_grad():
                 o_long, sel_long = flex.nsa_flex(**x, config=cfg, tiles=LONG_SEQ_TILES)

@@ -6,15 +6,15 @@ directions without materialising a [Q_LEN, KV_LEN] tensor.
 """
 
 from nsa_flex.masks.compressed import compressed_block_mask, compressed_mask_mod
-from nsa_flex.masks.selection import (initial_block_mask, initial_mask_mod, selection_bits, selection_block_mask,
+from nsa_flex.masks.selection import (InitialCopies, initial_copies, selection_bits, selection_block_mask,
                                      selection_mask_mod)
 from nsa_flex.masks.window import window_block_mask, window_mask_mod, window_widths
 
 __all__ = [
     "compressed_block_mask",
     "compressed_mask_mod",
-    "initial_block_mask",
-    "initial_mask_mod",
+    "InitialCopies",
+    "initial_copies",
     "selection_bits",
     "selection_block_mask",
     "selection_mask_mod",

@@ -206,27 +206,3 @@ def _global_blocks(local_bhtrn: torch.Tensor, tok_tr: torch.Tensor, docs: Docume
     dup = torch.zeros_like(pair, dtype=torch.bool)
     dup[..., 1:] = pair[..., 1:] == pair[..., :-1]
     return torch.where(dup | (pair == big), -1, pair)
-
-
-def initial_mask_mod(G: int):
-    """mask_mod over (folded query row, key among the initial blocks' tokens): causal, s <= t."""
-
-    def initial_mask(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx // G
-
-    return initial_mask
-
-
-def initial_block_mask(T: int, n_keys: int, G: int, device, block_size=(128, 64), *, chunks: int = 1,
-                       heads: int = 1) -> BlockMask:
-    """BlockMask of the selected branch's forced initial blocks: folded rows x their first n_keys tokens.
-
-    Every query selects block 0 (the first n_initial blocks), so in the selected branch's
-    backward the program of block 0 walks all T*G rows alone: 25 ms of a 123 ms
-    forward+backward at T=64k on an H200. nsa_flex attends to these keys in a call of their
-    own, its rows split into chunks (extra heads), and merges it with the other blocks' call
-    through the two log-sum-exps. [1, heads*chunks, T*G/chunks, n_keys].
-    """
-    return interval_block_mask(T * G, n_keys, lambda rows: torch.zeros_like(rows),
-                               lambda rows: torch.clamp(rows // G, max=n_keys - 1), block_size,
-                               initial_mask_mod(G), device, chunks=chunks, heads=heads)
