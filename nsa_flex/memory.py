@@ -10,8 +10,8 @@ Parts and how exact they are:
 - activations: tensors saved for the backward, per token per layer, from the formulas in
   `_layer_bytes` (eager vs compiled blocks; activation checkpointing keeps only each block's
   input plus one block's activations); an estimate, checked on the GPU by bench/train_gpu.py.
-- masks: the NSA flex path's selection indices and selected-branch BlockMask tensors (int32:
-  the kv-side lists and the q-side ones, one of which is as wide as the query tiles; per layer); for the reference path the dense
+- masks: the NSA flex path's selection indices and selected-branch BlockMask tensors (int32,
+  full-width kv indices and their transpose, per layer); for the reference path the dense
   [T, T] scores, probabilities and masks of its three branches (O(T^2): the oracle's cost).
 - logits: the output layer and the loss (fp32 log-softmax and its gradient when eager; a
   fused compiled loss keeps the low-precision logits and their gradient).
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nsa_flex.masks.selection import initial_copies, q_list_widths, tokens_per_tile
 from nsa_flex.model import NSALM, NSAModelConfig
 from nsa_flex.tuning import FlexTiles
 
@@ -108,7 +107,7 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     activations += (8 + a) * config.dim * tokens
     V = config.vocab_size
     logits = tokens * V * ((2 * a + 4) if compiled else (12 + a))
-    masks = _mask_bytes(config, batch_size, seq_len, impl, tiles.sel_rows(seq_len, config.nsa), tiles)
+    masks = _mask_bytes(config, batch_size, seq_len, impl, tiles.sel_rows(seq_len, config.nsa))
     if activation_checkpointing:
         masks //= config.n_layers
     overhead = 0
@@ -162,7 +161,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, split: bool = True
     return int(norms + mlp + attn + compress + gate + branch_out + folded - (8 + 2 * a) * Ao + copies)
 
 
-def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int, tiles: FlexTiles) -> int:
+def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int) -> int:
     """Mask/selection tensors of all layers for one micro-batch (0 for dense attention)."""
     if cfg.attention == "dense":
         return 0
@@ -176,15 +175,8 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
     else:
         indices = 8 * n.n_kv_heads * T * n.n_selected
-        G = n.group_size
-        q_blocks = math.ceil(T * G / sel_q_block)
-        copies = initial_copies(T, G, n, sel_q_block, tiles.initial_copy_tokens) if tiles.split_at(T, n) else None
-        cols = Ns + (copies.count * n.n_initial if copies is not None else 0)
-        widths = q_list_widths(q_blocks, G, sel_q_block, n, copies, tokens_per_tile(G, sel_q_block) == 1,
-                               tokens_per_tile(G, sel_q_block) > 1 and copies is not None)
-        # kv side: [q_blocks, union of a tile's tokens' n blocks] twice; q side: [cols, width] per list (int32).
-        kv_width = min(tokens_per_tile(G, sel_q_block) * n.n_selected, cols)
-        block_mask = 4 * n.n_kv_heads * (2 * q_blocks * kv_width + cols * sum(widths))
+        q_blocks = math.ceil(T * n.group_size / sel_q_block)
+        block_mask = 2 * 4 * n.n_kv_heads * q_blocks * Ns
         per_seq = indices + block_mask
     return cfg.n_layers * B * per_seq
 

@@ -169,13 +169,6 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     else:
         cand = _global_blocks(cand, tok, docs, L)
         full_ok = torch.zeros_like(cand, dtype=torch.bool)
-    one_token = R == 1 and docs is None
-    narrow_full = not one_token and copies is not None
-    if narrow_full:
-        # Only the forced blocks (initial, local) may be full; a random block that every token of
-        # the tile happens to select stays partial (mask_mod applied: same result). That bounds
-        # the full q-side lists (see q_list_widths).
-        full_ok &= (cand < config.n_initial) | ((t_hi // L)[:, None, None] - cand < config.n_local)
     # A block starting after its token holds no key that token sees: leave it out.
     useful = member[..., None] & (cand >= 0) & (cand * L <= tok[..., None])
     cand = torch.where(useful, cand, -1)
@@ -189,34 +182,16 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     width = min(cand.shape[-1], n_blocks)
     partial_kv, full_kv = union_blocks(cand, n_members, full_ok.flatten(-2), width)
 
-    partial_width, full_width = q_list_widths(n_tiles, G, q_block, config, copies, one_token, narrow_full)
-    partial_q = transpose_blocks(*partial_kv, n_blocks, partial_width)
-    full_q = transpose_blocks(*full_kv, n_blocks, full_width)
+    # Column lists as wide as the number of query tiles: block 0 is full for nearly every
+    # tile. (At one token per tile only the own block is partial, so l'*G/q_block + 1 would
+    # bound the partial lists, but that narrower width gave wrong dK/dV with one kv head on
+    # torch 2.11: bench/results/flex_gpu_tests.txt.)
+    partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
+    full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
     bits = selection_bits(block_indices, num_sel_blocks(T, config))
     mask_mod = selection_mask_mod(bits, G, L, docs, copies)
     kv_len = T if copies is None else copies.kv_len
     return make_block_mask((rows, kv_len), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)
-
-
-def q_list_widths(n_tiles: int, G: int, q_block: int, config: NSAConfig, copies: InitialCopies | None,
-                  one_token: bool, narrow_full: bool) -> tuple[int, int]:
-    """Static widths of the selected mask's q-side lists (partial, full): most query tiles one kv block can have.
-
-    Random selections put no bound on how many tiles list one block, so one of the two lists
-    stays as wide as the number of tiles (int32: 1.1 GiB at T=64k, G=16, Hkv=4). The other:
-    - one token per tile: a block is partial only for tiles of its own tokens (it ends before
-      every other selecting token), at most l'*G/q_block + 1 tiles;
-    - with initial copies, several tokens per tile: full blocks are the forced ones only, a
-      copy (the tiles of its span) or a local block (tiles of the next n_local - 1 blocks).
-    """
-    L = config.sel_block
-    partial = full = n_tiles
-    if one_token:
-        partial = L * G // q_block + 1
-    if narrow_full:
-        span = copies.tokens * G // q_block
-        full = max(span, (config.n_local - 1) * L * G // q_block + 2)
-    return min(partial, n_tiles), min(full, n_tiles)
 
 
 def _global_blocks(local_bhtrn: torch.Tensor, tok_tr: torch.Tensor, docs: Documents, L: int) -> torch.Tensor:
