@@ -182,10 +182,10 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     width = min(cand.shape[-1], n_blocks)
     partial_kv, full_kv = union_blocks(cand, n_members, full_ok.flatten(-2), width)
 
-    # Column lists as wide as the number of query tiles: block 0 is full for nearly every
-    # tile. (At one token per tile only the own block is partial, so l'*G/q_block + 1 would
-    # bound the partial lists, but that narrower width gave wrong dK/dV with one kv head on
-    # torch 2.11: bench/results/flex_gpu_tests.txt.)
+    # Column lists as wide as the number of query tiles. Random selections bound only one of
+    # the two lists (at one token per tile a block is partial for its own tokens' tiles alone),
+    # but Flex's backward on torch 2.11 gave wrong dK/dV with any q-side list cut below the
+    # number of tiles (bench/results/2026-11-22_h200_flex_gpu_tests_narrow_q_lists_reverted.txt).
     partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
     full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
     bits = selection_bits(block_indices, num_sel_blocks(T, config))

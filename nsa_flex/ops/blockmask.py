@@ -10,14 +10,14 @@ and a scatter: O(T*n) work for the selected branch.
 
 What the Triton kernels need (torch/_inductor/kernel/flex/templates, 2.11-2.13): each list
 is read through its tensor's leading strides with the last dim taken as contiguous (so
-make_block_mask makes every list contiguous), only its first `num_blocks` entries are read, and
-nothing ties the width (last dim) to the number of blocks on the other side. So the kv-side
-lists may be as narrow as the most blocks one query tile visits (n for the selected branch
-at one token per tile), and the q-side lists as narrow as the most query tiles one kv block
-is visited by; the latter is static and, because block 0 is visited by every tile, equals
-the number of query tiles for the selected branch's full blocks (1 GiB of int32 at
-T=64k, G=16, Hkv=4). Only `BlockMask.to_dense` / `from_kv_blocks` read the width as the
-number of kv blocks; nsa-flex calls neither on these masks.
+make_block_mask makes every list contiguous), and only its first `num_blocks` entries are read.
+The kv-side lists may be as narrow as the most blocks one query tile visits (n for the
+selected branch at one token per tile; measured right on an H200). The q-side lists may not:
+cut to a static bound below the number of query tiles, dK/dV came out wrong by 1e3-1e5 on
+torch 2.11 (bench/results/2026-11-22_h200_flex_gpu_tests_narrow_q_lists_reverted.txt), so
+they stay as wide as the query tiles (1.1 GiB of int32 each at T=64k, G=16, Hkv=4). Only
+`BlockMask.to_dense` / `from_kv_blocks` read the width as the number of kv blocks; nsa-flex
+calls neither on these masks.
 """
 
 from __future__ import annotations
