@@ -20,7 +20,7 @@ import torch
 
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.cache import NSACache
-from nsa_flex.ops import decode_attend, decode_attend_torch
+from nsa_flex.ops import decode_attend, decode_attend_torch, phi_step
 # Re-exported: the selection rule of one decode query, now the op's torch twin.
 from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
 
@@ -159,20 +159,13 @@ def _write_token(cache: NSACache, pr: Projected, pos_b: torch.Tensor) -> None:
 def _update_compressed(cache: NSACache, pos_b: torch.Tensor, phi_k, phi_v) -> None:
     """Compresses tokens pos-l+1 .. pos into entry (pos+1-l)/d where that block just completed.
 
-    phi runs for every sequence every step (static shapes); a masked write keeps the result
-    only where (pos + 1 - l) % d == 0 and pos + 1 >= l.
+    Through the op nsa_flex::phi_step (ops/phi_step.py): on CUDA a kernel that does phi's work
+    only for the sequences whose block completes; elsewhere phi for every sequence and a
+    masked write (static shapes either way).
     """
     l, d = cache.config.cmp_block, cache.config.cmp_stride
-    b = torch.arange(pos_b.shape[0], device=pos_b.device)
-    slots_bl = torch.remainder(pos_b[:, None] - l + 1 + torch.arange(l, device=pos_b.device), l)
-    done_b = pos_b + 1 - l
-    write_b = (done_b >= 0) & (torch.remainder(done_b, d) == 0)
-    entry_b = torch.div(done_b, d, rounding_mode="floor").clamp(0, cache.max_cmp - 1)
-    for tail, cmp, phi in ((cache.k_tail, cache.k_cmp, phi_k), (cache.v_tail, cache.v_cmp, phi_v)):
-        # [B, Hkv, l, D] gathered at the block's slots -> [B, l, Hkv, D], phi's layout.
-        block_blhd = tail[b[:, None], :, slots_bl].to(next(phi.parameters()).dtype)
-        new_bhd = phi(block_blhd)[:, 0].to(cmp.dtype)
-        cmp[b, :, entry_b] = torch.where(write_b[:, None, None], new_bhd, cmp[b, :, entry_b])
+    phi_step(phi_k, cache.k_tail, cache.k_cmp, pos_b, l, d)
+    phi_step(phi_v, cache.v_tail, cache.v_cmp, pos_b, l, d)
 
 
 def check_prefill(layer: NSAAttention, cache: NSACache, x_btc: torch.Tensor, lengths: torch.Tensor) -> None:
