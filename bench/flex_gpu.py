@@ -66,6 +66,24 @@ def peak_gib(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
+def dense_cudnn(x: dict, G: int, requires_grad: bool = True):
+    """(fn, {"q", "k", "v"}): dense causal cuDNN SDPA on the op inputs x, k/v repeated to the Hq heads.
+
+    The reference every GPU script times in the same run as nsa_flex (ANCHORS.md's dense column).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qd = x["q"].detach().transpose(1, 2).contiguous()
+    kd, vd = (x[n].detach().repeat_interleave(G, dim=2).transpose(1, 2).contiguous() for n in ("k", "v"))
+    tensors = {n: t.requires_grad_(requires_grad) for n, t in zip("qkv", (qd, kd, vd))}
+
+    def dense():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+
+    return dense, tensors
+
+
 def inputs(cfg: NSAConfig, T: int, dtype=torch.bfloat16, seed: int = 0, B: int = 1) -> dict:
     """Random op inputs of B sequences, all taking gradients (q, k, v, k_cmp, v_cmp, gates in [0, 1))."""
     gen = torch.Generator(device="cuda").manual_seed(seed)

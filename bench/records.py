@@ -15,3 +15,17 @@ def json_saver(path: Path, record: dict) -> Callable[[], None]:
         path.write_text(json.dumps(record, indent=1, default=str))
 
     return save
+
+
+def row_recorder(path: Path, header: dict) -> tuple[list[dict], Callable[[dict], None]]:
+    """(rows, add): add(row) appends a row, prints it and rewrites {"header", "rows"} at `path`."""
+    rows: list[dict] = []
+    save = json_saver(path, {"header": header, "rows": rows})
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(row, flush=True)
+        save()
+
+    save()
+    return rows, add

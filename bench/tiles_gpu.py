@@ -24,15 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flex_gpu import bench_ms, peak_gib  # noqa: E402
+from flex_gpu import bench_ms, dense_cudnn, peak_gib  # noqa: E402
 from host_profile_gpu import kernel_table, make_inputs  # noqa: E402
-from records import json_saver  # noqa: E402
+from records import row_recorder  # noqa: E402
 
 from nsa_flex.flex import nsa_flex  # noqa: E402
 from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
@@ -73,37 +71,24 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 512
     install_flex_tuning()
-    rows = []
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
               "what": "nsa_flex eager glue, each Flex call compiled; dense = cuDNN SDPA causal, same run"}
-
-    save = json_saver(args.out, {"header": header, "rows": rows})
+    rows, add = row_recorder(args.out, header)
 
     for shape in args.shapes:
         B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
         cfg, x = make_inputs(B, T, Hq, Hkv, D)
         do = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
-        G = Hq // Hkv
-        qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_(True)
-        kd, vd = (x[n].detach().repeat_interleave(G, dim=2).transpose(1, 2).contiguous().requires_grad_(True)
-                  for n in ("k", "v"))
-        dod = do.transpose(1, 2).contiguous()
-
-        def dense():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-
-        r = {"shape": shape, "impl": "dense-cudnn", **measure(dense, {"q": qd, "k": kd, "v": vd}, dod)}
-        rows.append(r)
-        print(r, flush=True)
-        save()
+        dense, dense_x = dense_cudnn(x, Hq // Hkv)
+        r = {"shape": shape, "impl": "dense-cudnn", **measure(dense, dense_x, do.transpose(1, 2).contiguous())}
+        add(r)
 
         ref = None
         for variant in args.variants:
             tiles = parse_variant(variant)
             qb, split = tiles.sel_q_block, tiles.split_initial
             if time.monotonic() - START > args.deadline_s:
-                rows.append({"shape": shape, "impl": "nsa-flex", "variant": variant, "note": "skipped: deadline"})
+                add({"shape": shape, "impl": "nsa-flex", "variant": variant, "note": "skipped: deadline"})
                 continue
 
             def op():
@@ -122,11 +107,8 @@ def main() -> None:
                 r["fwd_bwd_vs_dense"] = round(dense_row["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3)
             except Exception as e:  # a variant that does not compile is a result too
                 r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            rows.append(r)
-            print(r, flush=True)
-            save()
+            add(r)
             torch.cuda.empty_cache()
-    save()
 
 
 if __name__ == "__main__":

@@ -25,17 +25,15 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flex_gpu import bench_ms  # noqa: E402
+from flex_gpu import bench_ms, dense_cudnn  # noqa: E402
 from host_profile_gpu import make_inputs  # noqa: E402
-from records import json_saver  # noqa: E402
+from records import row_recorder  # noqa: E402
 
 from nsa_flex.flex import fold, nsa_flex, selected_branch  # noqa: E402
 from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
@@ -83,10 +81,9 @@ def main() -> None:
     p.add_argument("--commit", default="")
     args = p.parse_args()
     install_flex_tuning()
-    rows: list[dict] = []
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
               "what": "selected-branch traffic floor: load-only Triton kernel vs the Flex call vs dense cuDNN"}
-    save = json_saver(args.out, {"header": header, "rows": rows})
+    _, add = row_recorder(args.out, header)
     for shape in args.shapes:
         B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
         cfg, x = make_inputs(B, T, Hq, Hkv, D)
@@ -115,22 +112,12 @@ def main() -> None:
                 r[label] = round(bench_ms(lambda tiles=tiles: selected_branch(q_fold, k, v, sel, cfg, scale, tiles,
                                                                              forced_initial=True)), 3)
             r["nsa_flex_fwd_ms"] = round(bench_ms(lambda: nsa_flex(**x, config=cfg)), 3)
-            G = Hq // Hkv
-            qd = x["q"].detach().transpose(1, 2).contiguous()
-            kd, vd = (t.repeat_interleave(G, dim=2).transpose(1, 2).contiguous() for t in (k, v))
-
-            def dense():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-
+            dense, dense_x = dense_cudnn(x, Hq // Hkv, requires_grad=False)
             r["dense_cudnn_fwd_ms"] = round(bench_ms(dense), 3)
-            del qd, kd, vd
+            del dense, dense_x
         r["floor_vs_dense_fwd"] = round(r["load_only_ms"] / r["dense_cudnn_fwd_ms"], 3)
-        rows.append(r)
-        print(r, flush=True)
-        save()
+        add(r)
         torch.cuda.empty_cache()
-    save()
 
 
 if __name__ == "__main__":
