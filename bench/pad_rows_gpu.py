@@ -1,0 +1,88 @@
+"""The selected branch at G < 16 with one token per 16-row tile (G real rows, the rest zero) vs the folded tiles.
+
+    python bench/pad_rows_gpu.py --out $OUT/pad_rows.json --shapes 4:8192:12:3:64 1:32768:12:3:64
+
+At G=4 a 16-row tile of the folded layout holds 4 tokens and walks the union of their selected
+blocks (~55 for n=16), nearly all of them partial, so Flex evaluates the selection mask_mod (a
+bit-set gather) on every element. Padding each token's G rows to 16 gives one token per tile:
+its 16 blocks are full except its own, no mask_mod there, at 16/G times the query rows. This
+script times both, forward and forward+backward (selection and masks given, built outside the
+timed region), and reports their largest output difference (rounding level if both are right).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flex_gpu import bench_ms  # noqa: E402
+from host_profile_gpu import make_inputs  # noqa: E402
+from records import row_recorder  # noqa: E402
+
+from nsa_flex.flex import _call, _flex_sel, fold, nsa_flex, with_initial_copies  # noqa: E402
+from nsa_flex.masks.selection import initial_copies, selection_block_mask  # noqa: E402
+from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+
+ROWS = 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", nargs="+", default=["4:8192:12:3:64", "1:32768:12:3:64"])
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    install_flex_tuning()
+    _, add = row_recorder(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                     "commit": args.commit, "what": __doc__.splitlines()[0]})
+    for shape in args.shapes:
+        B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+        cfg, x = make_inputs(B, T, Hq, Hkv, D)
+        G = Hq // Hkv
+        with torch.no_grad():
+            _, sel = nsa_flex(**x, config=cfg)
+        scale = D ** -0.5
+        kT = x["k"].detach().transpose(1, 2)
+        vT = x["v"].detach().transpose(1, 2)
+        r = {"shape": shape, "G": G}
+        variants = {}
+        for name, g_eff in (("folded", G), ("padded", ROWS)):
+            copies = initial_copies(T, g_eff, cfg, ROWS, FlexTiles().initial_copy_tokens)
+            mask = selection_block_mask(sel, T, g_eff, cfg, ROWS, copies=copies)
+            k_in = with_initial_copies(kT, copies) if copies is not None else kT
+            v_in = with_initial_copies(vT, copies) if copies is not None else vT
+            q = fold(x["q"].detach(), Hkv).view(B, Hkv, T, G, D)
+            if g_eff != G:
+                q = torch.cat([q, q.new_zeros(B, Hkv, T, g_eff - G, D)], dim=3)
+            q = q.reshape(B, Hkv, T * g_eff, D).requires_grad_(True)
+            k_in, v_in = k_in.detach().requires_grad_(True), v_in.detach().requires_grad_(True)
+
+            def fwd(q=q, k_in=k_in, v_in=v_in, mask=mask, g_eff=g_eff):
+                o = _call(_flex_sel, q, k_in, v_in, mask, scale, "sel")
+                return o.view(B, Hkv, T, g_eff, -1)[:, :, :, :G]
+
+            do = torch.randn(B, Hkv, T, G, D, device="cuda", dtype=q.dtype)
+
+            def fwd_bwd(fwd=fwd, q=q, k_in=k_in, v_in=v_in, do=do):
+                torch.autograd.backward(fwd(), do, inputs=[q, k_in, v_in])
+
+            fwd_bwd()
+            with torch.no_grad():
+                variants[name] = fwd().float()
+                r[f"{name}_fwd_ms"] = round(bench_ms(fwd), 3)
+            r[f"{name}_fwd_bwd_ms"] = round(bench_ms(fwd_bwd), 3)
+        r["max_diff"] = float((variants["folded"] - variants["padded"]).abs().max())
+        r["padded_speedup_fwd"] = round(r["folded_fwd_ms"] / r["padded_fwd_ms"], 3)
+        r["padded_speedup_fwd_bwd"] = round(r["folded_fwd_bwd_ms"] / r["padded_fwd_bwd_ms"], 3)
+        add(r)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
