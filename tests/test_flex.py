@@ -290,6 +290,22 @@ def test_selection_block_mask_with_initial_copies(T, G, q_block, tokens, n_initi
         assert tiles_of_c.numel() and ((tiles_of_c * q_block // G) // copies.tokens == c).all()
 
 
+def test_selection_lists_trace_as_one_graph():
+    """What CUDA compiles (selection_lists): one Dynamo graph, no break, the same tensors as eager."""
+    from nsa_flex.masks.selection import initial_copies, selection_lists
+
+    cfg = small_config(4, 16, 16, 2, n_selected=5, sel_block=32)
+    T = 300
+    idx = random_selection(2, 2, T, cfg).to(torch.int32)
+    copies = initial_copies(T, 4, cfg, 16, 64)
+    torch._dynamo.reset()
+    traced = torch.compile(selection_lists, backend="aot_eager", fullgraph=True, dynamic=False)
+    got = traced(idx, T, 4, cfg, 16, None, copies)
+    want = selection_lists(idx, T, 4, cfg, 16, None, copies)
+    flat = lambda xs: [t for x in xs for t in (x if isinstance(x, tuple) else (x,))]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(want), strict=True))
+
+
 def test_initial_copies_only_where_they_split_the_work():
     from nsa_flex.masks.selection import initial_copies
 

@@ -148,7 +148,22 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     rest of the union is "partial" (mask_mod applied). Both directions are emitted from the
     indices with O(T*n) sort/scatter work. With copies the keys are [B, Hkv, copies.kv_len]
     (see InitialCopies) and the initial blocks are listed as each tile's own copy.
+
+    On CUDA (single sequences) the lists come from `selection_lists` compiled once per shape:
+    eagerly its ~60 small sort/scatter/elementwise kernels were launch-bound at 8k.
     """
+    build = _COMPILED_LISTS if block_indices.is_cuda and docs is None else selection_lists
+    partial_kv, full_kv, partial_q, full_q, bits = build(block_indices, T, G, config, q_block, docs, copies)
+    mask_mod = selection_mask_mod(bits, G, config.sel_block, docs, copies)
+    kv_len = T if copies is None else copies.kv_len
+    return make_block_mask((T * G, kv_len), partial_kv, full_kv, partial_q, full_q, (q_block, config.sel_block),
+                           mask_mod)
+
+
+def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConfig, q_block: int,
+                    docs: Documents | None, copies: InitialCopies | None):
+    """The tensors of selection_block_mask: (partial kv, full kv, partial q, full q) lists as (num, idx), and
+    the selection bits of its mask_mod."""
     B, Hkv, _, n = block_indices.shape
     L = config.sel_block
     device = block_indices.device
@@ -189,9 +204,10 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
     partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
     full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
     bits = selection_bits(block_indices, num_sel_blocks(T, config))
-    mask_mod = selection_mask_mod(bits, G, L, docs, copies)
-    kv_len = T if copies is None else copies.kv_len
-    return make_block_mask((rows, kv_len), partial_kv, full_kv, partial_q, full_q, (q_block, L), mask_mod)
+    return partial_kv, full_kv, partial_q, full_q, bits
+
+
+_COMPILED_LISTS = torch.compile(selection_lists, dynamic=False)
 
 
 def _global_blocks(local_bhtrn: torch.Tensor, tok_tr: torch.Tensor, docs: Documents, L: int) -> torch.Tensor:
