@@ -435,3 +435,12 @@ def test_phi_step_kernel_on_gpu_equals_twin():
         assert (want.float() - cmp.float()).abs().max().item() <= tol
         # Under compile the in-place write lands in the caller's tensor too.
         assert not torch.equal(again, before)
+
+
+def test_phi_step_opcheck():
+    """nsa_flex::phi_step's registration: schema (cmp mutated), fake kernel, no autograd claims."""
+    cfg, phi, tail, cmp, pos = _phi_case(torch.float32)
+    lin1, _, lin2 = phi.mlp
+    args = (tail, cmp, pos, phi.pos_lxd.detach(), lin1.weight.detach(), lin1.bias.detach(), lin2.weight.detach(),
+            lin2.bias.detach(), cfg.cmp_block, cfg.cmp_stride)
+    torch.library.opcheck(torch.ops.nsa_flex.phi_step.default, args)
