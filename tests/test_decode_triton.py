@@ -444,3 +444,13 @@ def test_phi_step_opcheck():
     args = (tail, cmp, pos, phi.pos_lxd.detach(), lin1.weight.detach(), lin1.bias.detach(), lin2.weight.detach(),
             lin2.bias.detach(), cfg.cmp_block, cfg.cmp_stride)
     torch.library.opcheck(torch.ops.nsa_flex.phi_step.default, args)
+
+
+def test_phi_step_refuses_another_phi():
+    """phi_step runs phi's layers itself, so a phi of another shape gets a clear error, not a wrong result."""
+    from nsa_flex.ops.phi_step import phi_step
+
+    cfg, phi, tail, cmp, pos = _phi_case(torch.float32)
+    phi.mlp[1] = torch.nn.GELU(approximate="tanh")
+    with pytest.raises(ValueError, match="phi.mlp = Linear, GELU \\(exact\\), Linear"):
+        phi_step(phi, tail, cmp, pos, cfg.cmp_block, cfg.cmp_stride)
