@@ -38,8 +38,8 @@ class FlexTiles:
     """Folded query rows per tile of the selected branch (16 at G=16: one token); kv blocks are l'.
     None: chosen from the sequence length by `sel_rows`."""
     max_chunks: int = 16
-    """Most chunks the folded query rows of the compressed branch and of the initial selected
-    blocks are split into, as extra heads (more dK/dV programs: ops.blockmask.query_chunks)."""
+    """Most chunks the folded query rows of the compressed branch are split into, as extra heads
+    (more dK/dV programs: ops.blockmask.query_chunks)."""
     min_chunk_rows: int = 4096
     """Fewest folded query rows per chunk."""
     split_initial: bool | None = None

@@ -580,7 +580,7 @@ def test_shape_masks_are_built_once_per_shape_in_eager_mode():
 
 @pytest.mark.parametrize("T,rows,split", [(2048, 128, False), (2049, 16, True), (65536, 16, True)])
 def test_tiles_follow_length_by_default(T, rows, split):
-    """Default tiles: 128-row selected tiles and no initial-block call up to 2*n*l' tokens (paper config: 2048)."""
+    """Default tiles: 128-row selected tiles and no initial-key copies up to 2*n*l' tokens (paper config: 2048)."""
     cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
     assert FlexTiles().sel_rows(T, cfg) == rows and FlexTiles().split_at(T, cfg) == split
     assert FlexTiles(sel_q_block=32, split_initial=True).sel_rows(T, cfg) == 32
