@@ -237,6 +237,13 @@ def branch_rows(cfg: NSAConfig, T: int, tiles: FlexTiles, rows: list) -> None:
             print(rows[-1], flush=True)
 
 
+def allow_many_shapes() -> None:
+    """Dynamo limits for a script that compiles the Flex calls at many shapes and grad modes, then the tuning."""
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 512
+    install_flex_tuning()
+
+
 def header(commit: str) -> dict:
     import triton
 

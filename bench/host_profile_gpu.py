@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flex_gpu import inputs  # noqa: E402
+from flex_gpu import header as flex_header, inputs  # noqa: E402
 from records import json_saver  # noqa: E402
 
 from nsa_flex import NSAConfig  # noqa: E402
@@ -37,6 +37,12 @@ from nsa_flex.flex import nsa_flex  # noqa: E402
 from nsa_flex.tuning import install_flex_tuning  # noqa: E402
 
 _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
+
+
+def parse_shape(shape: str) -> tuple[int, int, int, int, int]:
+    """"B:T:Hq:Hkv:D" -> (B, T, Hq, Hkv, D), the shape argument of the GPU scripts."""
+    B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+    return B, T, Hq, Hkv, D
 
 
 def make_inputs(B, T, Hq, Hkv, D, seed=0):
@@ -94,14 +100,14 @@ def main() -> None:
     args = p.parse_args()
     install_flex_tuning()
     rows = []
-    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
+    header = flex_header(args.commit)
 
     save = json_saver(args.out, {"header": header, "rows": rows})
 
     # Every shape eagerly first: the whole-op compiles are the slow part of a run.
     for variant in args.variants.split(","):
         for shape in args.shapes:
-            B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+            B, T, Hq, Hkv, D = parse_shape(shape)
             cfg, x = make_inputs(B, T, Hq, Hkv, D)
             do = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
             leaves = list(x.values())

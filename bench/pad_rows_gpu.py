@@ -18,7 +18,6 @@ the script now raises the limit, as tiles_gpu.py does.)
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -27,31 +26,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flex_gpu import bench_ms  # noqa: E402
-from host_profile_gpu import make_inputs  # noqa: E402
-from records import row_recorder  # noqa: E402
+from flex_gpu import allow_many_shapes, bench_ms, header  # noqa: E402
+from host_profile_gpu import make_inputs, parse_shape  # noqa: E402
+from records import row_recorder, shape_script_parser  # noqa: E402
 
 from nsa_flex.flex import _call, _flex_sel, fold, nsa_flex, with_initial_copies  # noqa: E402
 from nsa_flex.masks.selection import initial_copies, selection_block_mask  # noqa: E402
-from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from nsa_flex.tuning import FlexTiles  # noqa: E402
 
 ROWS = 16
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--shapes", nargs="+", default=["4:8192:12:3:64", "1:32768:12:3:64"])
-    p.add_argument("--commit", default="")
-    args = p.parse_args()
+    args = shape_script_parser(__doc__, ["4:8192:12:3:64", "1:32768:12:3:64"]).parse_args()
     # Each variant and grad mode is another shape for the compiled Flex call.
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.accumulated_recompile_limit = 512
-    install_flex_tuning()
-    _, add = row_recorder(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                     "commit": args.commit, "what": __doc__.splitlines()[0]})
+    allow_many_shapes()
+    _, add = row_recorder(args.out, header(args.commit) | {"what": __doc__.splitlines()[0]})
     for shape in args.shapes:
-        B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+        B, T, Hq, Hkv, D = parse_shape(shape)
         cfg, x = make_inputs(B, T, Hq, Hkv, D)
         G = Hq // Hkv
         with torch.no_grad():

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Callable
+
+
+def shape_script_parser(doc: str, default_shapes: list[str]) -> argparse.ArgumentParser:
+    """The arguments every shape-sweeping GPU script takes: --out JSON, --shapes B:T:Hq:Hkv:D ..., --commit."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", nargs="+", default=default_shapes, help="B:T:Hq:Hkv:D each")
+    p.add_argument("--commit", default="")
+    return p
 
 
 def json_saver(path: Path, record: dict) -> Callable[[], None]:

@@ -18,7 +18,6 @@ JSON is rewritten after every measurement, so a call cut short keeps what it mea
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -28,12 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flex_gpu import bench_ms, dense_cudnn, peak_gib  # noqa: E402
-from host_profile_gpu import kernel_table, make_inputs  # noqa: E402
-from records import row_recorder  # noqa: E402
+from flex_gpu import allow_many_shapes, bench_ms, dense_cudnn, header, peak_gib  # noqa: E402
+from host_profile_gpu import kernel_table, make_inputs, parse_shape  # noqa: E402
+from records import row_recorder, shape_script_parser  # noqa: E402
 
 from nsa_flex.flex import nsa_flex  # noqa: E402
-from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from nsa_flex.tuning import FlexTiles  # noqa: E402
 
 START = time.monotonic()
 def measure(fn, x: dict, grad_out) -> dict:
@@ -60,23 +59,17 @@ def parse_variant(variant: str) -> FlexTiles:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--shapes", nargs="+", default=["16:2048:12:3:64"])
+    p = shape_script_parser(__doc__, ["16:2048:12:3:64"])
     p.add_argument("--variants", nargs="+", default=["16", "128"],
                    help="sel_q_block values; suffix n: no initial split, @N: query tokens per initial copy")
     p.add_argument("--deadline-s", type=float, default=540)
-    p.add_argument("--commit", default="")
     args = p.parse_args()
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.accumulated_recompile_limit = 512
-    install_flex_tuning()
-    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
-              "what": "nsa_flex eager glue, each Flex call compiled; dense = cuDNN SDPA causal, same run"}
-    rows, add = row_recorder(args.out, header)
+    allow_many_shapes()
+    rows, add = row_recorder(args.out, header(args.commit) | {
+        "what": "nsa_flex eager glue, each Flex call compiled; dense = cuDNN SDPA causal, same run"})
 
     for shape in args.shapes:
-        B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+        B, T, Hq, Hkv, D = parse_shape(shape)
         cfg, x = make_inputs(B, T, Hq, Hkv, D)
         do = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
         dense, dense_x = dense_cudnn(x, Hq // Hkv)

@@ -20,7 +20,6 @@ JSON is rewritten after every measurement.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -31,9 +30,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flex_gpu import bench_ms, dense_cudnn  # noqa: E402
-from host_profile_gpu import make_inputs  # noqa: E402
-from records import row_recorder  # noqa: E402
+from flex_gpu import bench_ms, dense_cudnn, header  # noqa: E402
+from host_profile_gpu import make_inputs, parse_shape  # noqa: E402
+from records import row_recorder, shape_script_parser  # noqa: E402
 
 from nsa_flex.flex import fold, nsa_flex, selected_branch  # noqa: E402
 from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
@@ -75,17 +74,12 @@ def load_selected(k_bthd, v_bthd, idx_bhtn, L: int) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--shapes", nargs="+", default=["1:8192:64:4:128", "1:65536:64:4:128"])
-    p.add_argument("--commit", default="")
-    args = p.parse_args()
+    args = shape_script_parser(__doc__, ["1:8192:64:4:128", "1:65536:64:4:128"]).parse_args()
     install_flex_tuning()
-    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
-              "what": "selected-branch traffic floor: load-only Triton kernel vs the Flex call vs dense cuDNN"}
-    _, add = row_recorder(args.out, header)
+    _, add = row_recorder(args.out, header(args.commit) | {
+        "what": "selected-branch traffic floor: load-only Triton kernel vs the Flex call vs dense cuDNN"})
     for shape in args.shapes:
-        B, T, Hq, Hkv, D = (int(s) for s in shape.split(":"))
+        B, T, Hq, Hkv, D = parse_shape(shape)
         cfg, x = make_inputs(B, T, Hq, Hkv, D)
         L, n = cfg.sel_block, cfg.n_selected
         with torch.no_grad():
