@@ -84,6 +84,7 @@ class CurveRow:
     attention: str
     steps: int
     final_loss_mean10: float = math.nan
+    final_loss_mean50: float = math.nan
     tokens_per_s: float = math.nan
     losses: list | None = None
     error: str | None = None
@@ -211,6 +212,7 @@ def run_curve(args, work: Path, rows: list, save) -> None:
             result = train(cfg, callback=Printer(f"curve {attention}", every=50))
             row.losses = result.losses
             row.final_loss_mean10 = sum(result.losses[-10:]) / len(result.losses[-10:])
+            row.final_loss_mean50 = sum(result.losses[-50:]) / len(result.losses[-50:])
             row.tokens_per_s = result.tokens_per_s
         except Exception:
             row.error = error_text()
@@ -235,9 +237,10 @@ def plot_curves(rows: list, args) -> None:
             ax.plot(range(1, len(row.losses) + 1), ema(row.losses, 0.9), label=f"{row.attention} (EMA 0.9)",
                     color=ax.lines[-1].get_color())
     ax.set_xlabel("step")
-    ax.set_ylabel(f"loss (predictable tokens of the {args.curve_data} task)")
-    ax.set_title(f"seeds-125m, synthetic {args.curve_data}, S={args.curve_seq_len}, B={args.curve_batch}: "
-                 "NSA vs dense")
+    synthetic = args.curve_data in ("kv", "copy")
+    what = f"synthetic {args.curve_data}" if synthetic else f"text {Path(args.curve_data).name}, byte-level"
+    ax.set_ylabel(f"loss (predictable tokens of the {args.curve_data} task)" if synthetic else "loss (nats per byte)")
+    ax.set_title(f"seeds-125m, {what}, S={args.curve_seq_len}, B={args.curve_batch}: NSA vs dense")
     ax.legend()
     fig.savefig(Path(args.out) / "loss_curve.png", dpi=120, bbox_inches="tight")
 
@@ -318,7 +321,9 @@ def main() -> None:
     p.add_argument("--curve-steps", type=int, default=300)
     p.add_argument("--curve-seq-len", type=int, default=2048)
     p.add_argument("--curve-batch", type=int, default=16)
-    p.add_argument("--curve-data", choices=("kv", "copy"), default="kv", help="Synthetic task of the curves.")
+    p.add_argument("--curve-data", default="kv", help=(
+        "Data of the curves: a synthetic task (kv, copy) or any --data of nsa-flex train (a text file or "
+        "folder, tokenised byte-level)."))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--budget-s", type=float, default=540.0, help="Start no configuration after this many seconds.")
     p.add_argument("--replot", default=None, help=(
