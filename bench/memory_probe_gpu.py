@@ -72,23 +72,25 @@ def saved_tensors(model: NSALM, tokens: torch.Tensor, loss_fn) -> dict:
                      "mib": t.untyped_storage().nbytes() / MIB})
         return t
 
-    def pre_hook(i):
-        def hook(module, args):
-            current["block"] = f"block{i}"
-            added[f"block{i}"] = -torch.cuda.memory_allocated()
-        return hook
+    class Probe(torch.nn.Module):
+        """Runs a compiled block, outside its compiled code: notes which block saves, and what it adds."""
 
-    def post_hook(i):
-        def hook(module, args, out):
+        def __init__(self, inner, name):
+            super().__init__()
+            self.inner, self.name = inner, name
+
+        def forward(self, *args):
+            current["block"] = self.name
             torch.cuda.synchronize()
-            added[f"block{i}"] += torch.cuda.memory_allocated()
+            before = torch.cuda.memory_allocated()
+            out = self.inner(*args)
+            torch.cuda.synchronize()
+            added[self.name] = torch.cuda.memory_allocated() - before
             current["block"] = "post"
-        return hook
+            return out
 
-    handles = []
-    for i, block in enumerate(model.layers):
-        handles.append(block.register_forward_pre_hook(pre_hook(i)))
-        handles.append(block.register_forward_hook(post_hook(i)))
+    blocks_before = model.layers
+    model.layers = torch.nn.ModuleList(Probe(b, f"block{i}") for i, b in enumerate(blocks_before))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -96,8 +98,7 @@ def saved_tensors(model: NSALM, tokens: torch.Tensor, loss_fn) -> dict:
         after_forward = torch.cuda.memory_allocated()
         loss.backward()
     finally:
-        for h in handles:
-            h.remove()
+        model.layers = blocks_before
     for p in model.parameters():
         p.grad = None
     blocks = {name: {"saved_mib": sum(x["mib"] for x in items), "tensors": sorted(items, key=lambda x: -x["mib"])}
@@ -201,17 +202,20 @@ def main() -> None:
             fwd_bwd(model, tokens, loss_fn)
             row["params_grads_free_base_mib"] = base / MIB
             row["fwd_bwd_peak_mib"] = torch.cuda.max_memory_allocated() / MIB
-            row.update(saved_tensors(model, tokens, loss_fn))
-            if not args.no_peak:
-                row["peak"] = peak_live(model, tokens, loss_fn)
-            if args.profile:
-                row["kernels"] = kernels(model, tokens, loss_fn)
+            phases = [("saved", saved_tensors)] + ([] if args.no_peak else [("peak", peak_live)]) \
+                + ([("kernels", kernels)] if args.profile else [])
+            for name, phase in phases:
+                try:
+                    row[name] = phase(model, tokens, loss_fn)
+                except Exception:
+                    row[f"{name}_error"] = traceback.format_exc()[-2000:]
+                    print(row[f"{name}_error"], file=sys.stderr, flush=True)
         except Exception:
             row["error"] = traceback.format_exc()[-3000:]
             print(row["error"], file=sys.stderr, flush=True)
         row["seconds"] = time.time() - t0
         print(f"{spec}: {row.get('fwd_bwd_peak_mib', float('nan')):.0f} MiB peak, "
-              f"{row.get('after_forward_mib', float('nan')):.0f} MiB after forward, {row['seconds']:.0f} s", flush=True)
+              f"{row.get('saved', {}).get('after_forward_mib', float('nan')):.0f} MiB after forward, {row['seconds']:.0f} s", flush=True)
         save()
         del model
     save()
