@@ -5,7 +5,7 @@
 
 A shape is B:T:Hq:Hkv:D. For each one: dense causal cuDNN SDPA (k/v expanded to Hq heads), then
 nsa_flex (eager glue, each Flex call compiled) with FlexTiles(sel_q_block=X) for every variant X
-(Xn: also split_initial=False; X@N: N query tokens per initial copy):
+(Xn: also split_initial=False; Xf: sel_full_blocks=False; X@N: N query tokens per initial copy):
 forward and forward+backward medians, peak memory of one forward+backward, first-call seconds
 (compilation), and the output's largest difference from the first X's (the tiles only change
 the order of bf16 sums, so this stays at rounding level; a larger one is a bug).
@@ -52,16 +52,18 @@ def measure(fn, x: dict, grad_out) -> dict:
 
 
 def parse_variant(variant: str) -> FlexTiles:
-    """"16", "16n" (no initial split), "16@1024" (tokens per initial copy)."""
+    """"16", "16n" (no initial split), "16f" (no full-block lists), "16@1024" (tokens per initial copy)."""
     head, _, tokens = variant.partition("@")
     extra = {"initial_copy_tokens": int(tokens)} if tokens else {}
-    return FlexTiles(sel_q_block=int(head.rstrip("n")), split_initial=not head.endswith("n"), **extra)
+    flags = head.lstrip("0123456789")
+    return FlexTiles(sel_q_block=int(head[:len(head) - len(flags)]), split_initial="n" not in flags,
+                     sel_full_blocks="f" not in flags, **extra)
 
 
 def main() -> None:
     p = shape_script_parser(__doc__, ["16:2048:12:3:64"])
     p.add_argument("--variants", nargs="+", default=["16", "128"],
-                   help="sel_q_block values; suffix n: no initial split, @N: query tokens per initial copy")
+                   help="sel_q_block values; suffix n: no initial split, f: no full-block lists, @N: query tokens per copy")
     p.add_argument("--deadline-s", type=float, default=540)
     args = p.parse_args()
     allow_many_shapes()

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
@@ -146,12 +147,36 @@ class NSAAttention(nn.Module):
         q, k_c, v_c, k_s, v_s, k_w, v_w = self.project(x_btc, rotary)
         k_cmp = self.compress_k(k_c, cu_seqlens)
         v_cmp = self.compress_v(v_c, cu_seqlens)
-        separate = cfg.separate_kv
-        out = nsa_attention(
-            q, k_s, v_s, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=self.impl,
-            return_indices=return_indices, cu_seqlens=cu_seqlens,
-            k_win=k_w if separate else None, v_win=v_w if separate else None,
-        )
-        o, sel = out if return_indices else (out, None)
-        y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
+        k_w, v_w = (k_w, v_w) if cfg.separate_kv else (None, None)
+        if self.impl == "flex":
+            y, sel = self._forward_flex(x_btc, q, k_s, v_s, k_cmp, v_cmp, k_w, v_w, cu_seqlens)
+        else:
+            o, sel = nsa_attention(q, k_s, v_s, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=self.impl,
+                                   return_indices=True, cu_seqlens=cu_seqlens, k_win=k_w, v_win=v_w)
+            y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
         return (y, sel) if return_indices else y
+
+    def _forward_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens):
+        """The flex op's branches, then gates, gated sum and output projection as one checkpointed
+        region: the backward recomputes the gates and the sum from tensors the Flex calls keep
+        anyway, instead of keeping the sum for wo and the gate MLP's activations (~74 MiB per
+        layer of seeds-125m at 32k tokens, bench/results/2026-11-22_h200_memory_probe.json)."""
+        from nsa_flex import flex
+
+        cfg = self.config
+        B, T, _ = x_btc.shape
+        if not torch.compiler.is_compiling():
+            # The gates are made inside the region: their shape stands in for the checks.
+            gates_shape = q.new_zeros(()).expand(B, T, cfg.n_heads, 3)
+            check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, None, cu_seqlens, k_win, v_win)
+        o_cmp, o_sel, o_win, sel = flex.nsa_flex_branches(q, k, v, k_cmp, v_cmp, cfg, cu_seqlens=cu_seqlens,
+                                                          k_win=k_win, v_win=v_win)
+        combine = flex.combine_for(q)
+
+        def output(x_btc, o_cmp, o_sel, o_win):
+            o = combine(o_cmp, o_sel, o_win, self.gate(x_btc), T)
+            return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
+
+        if torch.is_grad_enabled():
+            return checkpoint(output, x_btc, o_cmp, o_sel, o_win, use_reentrant=False), sel
+        return output(x_btc, o_cmp, o_sel, o_win), sel

@@ -1,6 +1,6 @@
 """phi: learned compression of overlapping key/value blocks into one token each.
 
-Shared by every implementation: it is plain PyTorch (an unfold and an MLP) that
+Shared by every implementation: it is plain PyTorch (a chunked first layer and an MLP) that
 torch.compile fuses well, so there is no separate kernel for it.
 """
 
@@ -44,10 +44,29 @@ class Compressor(nn.Module):
         Tc = num_cmp_blocks(T, self.config)
         if Tc == 0:
             return x_bthd.new_zeros(B, 0, H, self.dim_out)
-        # unfold puts the window last: [B, Tc, H, D, l] -> [B, Tc, H, l, D]
-        blocks = x_bthd.unfold(1, self.config.cmp_block, self.config.cmp_stride).transpose(-1, -2)
-        blocks = blocks + self.pos_lxd.to(blocks.dtype)
-        return self.mlp(blocks.flatten(-2))
+        first, act, second = self.mlp
+        return second(act(self._first_layer_by_chunks(x_bthd, first, Tc)))
+
+    def _first_layer_by_chunks(self, x_bthd: torch.Tensor, first: nn.Linear, Tc: int) -> torch.Tensor:
+        """The first Linear of every block: with l = R*d (NSAConfig requires it) block i is the d-token
+        chunks i .. i+R-1.
+
+        W (blocks + pos) + b = sum_r W_r chunk_{i+r} + (W pos + b), W_r the columns of chunk r.
+        The matmul then keeps the chunks for its backward, 1x the input, where the overlapping
+        blocks were l/d x (24 of 48 MiB per layer of seeds-125m at 32k tokens, H200 probe in
+        bench/results/2026-11-22_h200_memory_probe.json).
+        """
+        B, _, H, D = x_bthd.shape
+        R, d = self.config.cmp_block // self.config.cmp_stride, self.config.cmp_stride
+        n = Tc + R - 1
+        chunks = x_bthd[:, :n * d].reshape(B, n, d, H, D).transpose(2, 3).reshape(B, n, H, d * D)
+        hidden = first.out_features
+        w_rows = first.weight.view(hidden, R, d * D).transpose(0, 1).reshape(R * hidden, d * D)
+        y = nn.functional.linear(chunks, w_rows).view(B, n, H, R, hidden)
+        acc = torch.promote_types(y.dtype, torch.float32)
+        h = sum(y[:, r:r + Tc, :, r].to(acc) for r in range(R))
+        const = nn.functional.linear(self.pos_lxd.flatten().to(first.weight.dtype), first.weight, first.bias)
+        return (h + const.to(acc)).to(y.dtype)
 
 
 def compressed_seqlens(cu_seqlens: torch.Tensor, config: NSAConfig) -> torch.Tensor:

@@ -19,6 +19,8 @@ call it yourself before compiling code that uses nsa_flex.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_mask, flex_attention
 
@@ -106,6 +108,20 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     tiles: BlockMask block sizes and layout choices (speed knobs, see FlexTiles).
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    o_cmp, o_sel, o_win, block_indices = nsa_flex_branches(
+        q, k, v, k_cmp, v_cmp, config, block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win,
+        v_win=v_win, tiles=tiles)
+    return combine_for(q)(o_cmp, o_sel, o_win, gates, q.shape[1]), block_indices
+
+
+def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
+                      k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
+    """The three branch outputs before the gates, each [B, Hkv, T*G, Dv] (folded), and the selection.
+
+    nsa_flex without its gated sum: NSAAttention recomputes that sum (and its gates) in the
+    backward instead of keeping its output (see NSAAttention.forward). Arguments as nsa_flex.
+    """
+    _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
     T, Hkv = q.shape[1], k.shape[2]
     scale = q.shape[-1] ** -0.5
     docs = cu_cmp = None
@@ -119,11 +135,19 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     if block_indices is None:
         block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
                                       cu_seqlens_cmp=cu_cmp)
-    o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial)
-    k_win, v_win = (k if k_win is None else k_win), (v if v_win is None else v_win)
+    keys = selected_keys(k, v, q_fold.shape[2] // T, config, tiles, docs, forced_initial)
+    o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial, keys=keys)
+    if k_win is None:
+        # The window reads the same keys through a view of the selected branch's tensors: with
+        # initial-block copies those are new tensors, and one saved copy of K/V beats two.
+        k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
-    combine = _COMPILED_SUM if q.is_cuda else gated_sum
-    return combine(o_cmp, o_sel, o_win, gates, T), block_indices
+    return o_cmp, o_sel, o_win, block_indices
+
+
+def combine_for(q: torch.Tensor):
+    """gated_sum, compiled on CUDA (fused) and eager elsewhere."""
+    return _COMPILED_SUM if q.is_cuda else gated_sum
 
 
 def gated_sum(o_cmp, o_sel, o_win, gates, T: int) -> torch.Tensor:
@@ -195,8 +219,34 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
     return o.view(B, Hkv, rows, Dv), lse
 
 
+class SelectedKeys(NamedTuple):
+    """The selected branch's keys and values [B, Hkv, S, D] and the initial-block copies among them.
+
+    k[:, :, :T] are the keys themselves; with copies (S = copies.kv_len) padding and the copies follow.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    copies: InitialCopies | None
+
+
+def selected_keys(k, v, G: int, config: NSAConfig, tiles: FlexTiles, docs: Documents | None = None,
+                  forced_initial: bool = False) -> SelectedKeys:
+    """k, v [B, T, Hkv, D] -> SelectedKeys: with initial-block copies where tiles.split_at says so
+    (single sequences whose selection holds the forced initial blocks)."""
+    T = k.shape[1]
+    kT, vT = k.transpose(1, 2), v.transpose(1, 2)
+    copies = None
+    if forced_initial and tiles.split_at(T, config) and docs is None:
+        copies = initial_copies(T, G, config, tiles.sel_rows(T, config), tiles.initial_copy_tokens)
+    if copies is not None:
+        kT, vT = with_initial_copies(kT, copies), with_initial_copies(vT, copies)
+    return SelectedKeys(kT, vT, copies)
+
+
 def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float, tiles: FlexTiles,
-                    docs: Documents | None = None, forced_initial: bool = False):
+                    docs: Documents | None = None, forced_initial: bool = False, *,
+                    keys: SelectedKeys | None = None):
     """o [B,Hkv,T*G,Dv] of the selected blocks, one Flex call.
 
     forced_initial: every token's selection holds the first n_initial blocks (true for the
@@ -205,19 +255,16 @@ def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float
     tokens (masks.selection.InitialCopies): in the backward no single program walks every
     query tile. That took 174.1 against 194.6 ms forward+backward without it at T=64k, G=16,
     and beat a separate call for those blocks merged through the lse (178.3 ms, 3.9 GiB
-    more; H200, bench/results/2026-11-22_h200_tiles_copies.json).
+    more; H200, bench/results/2026-11-22_h200_tiles_copies.json). keys: selected_keys of
+    these arguments, when the caller already made them.
     """
     T = k.shape[1]
     G = q_fold.shape[2] // T
-    kT, vT = k.transpose(1, 2), v.transpose(1, 2)
-    q_rows = tiles.sel_rows(T, config)
-    copies = None
-    if forced_initial and tiles.split_at(T, config) and docs is None:
-        copies = initial_copies(T, G, config, q_rows, tiles.initial_copy_tokens)
-    mask = selection_block_mask(block_indices, T, G, config, q_rows, docs, copies=copies)
-    if copies is not None:
-        kT, vT = with_initial_copies(kT, copies), with_initial_copies(vT, copies)
-    return _call(_flex_sel, q_fold, kT, vT, mask, scale, "sel")
+    if keys is None:
+        keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
+    mask = selection_block_mask(block_indices, T, G, config, tiles.sel_rows(T, config), docs, copies=keys.copies,
+                                full_blocks=tiles.sel_full_blocks)
+    return _call(_flex_sel, q_fold, keys.k, keys.v, mask, scale, "sel")
 
 
 def with_initial_copies(x_bhtd: torch.Tensor, copies: InitialCopies) -> torch.Tensor:

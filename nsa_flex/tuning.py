@@ -48,6 +48,10 @@ class FlexTiles:
     None: only at the lengths where the selected branch takes 16-row tiles (see `sel_rows`)."""
     initial_copy_tokens: int = 2048
     """Query tokens served by one copy of the initial blocks (1024 measured the same at 16k and 64k)."""
+    sel_full_blocks: bool = True
+    """List the selected branch's causally full blocks apart (their mask_mod is skipped). False: every
+    listed block is partial, and the mask keeps no full-block lists: the q-side one is as wide as the
+    query tiles (kv blocks x tiles int32, ~50 MiB per layer of seeds-125m at 32k tokens)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):

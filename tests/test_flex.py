@@ -337,6 +337,47 @@ def test_initial_copies_equal_one_plain_call(T, G, Hkv, B, n_initial):
     assert (s_plain - broken).abs().max() > 1e-3  # the test can see a lost initial block
 
 
+@pytest.mark.parametrize("full_blocks", [True, False])
+@pytest.mark.parametrize("T,G,Hkv", [(600, 4, 2), (333, 2, 2)])
+def test_whole_op_with_initial_copies_equals_reference(T, G, Hkv, full_blocks):
+    """nsa_flex with copies (its window then reads the keys through a view of the copied tensors),
+    with and without full-block lists, equals the reference; the window on the padded or copied
+    keys instead would not."""
+    cfg = small_config(G, 32, 16, Hkv, n_initial=1, n_local=1, sel_block=32)
+    x = random_inputs(cfg, T, B=2, seed=5)
+    o_ref, sel_ref = nsa_reference(**x, config=cfg)
+    copied = FlexTiles(sel_q_block=16, split_initial=True, initial_copy_tokens=128, sel_full_blocks=full_blocks)
+    with torch.no_grad():
+        o, sel = nsa_flex(**x, config=cfg, tiles=copied)
+    assert torch.equal(sel, sel_ref)
+    assert (o - o_ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_selection_mask_without_full_lists_lists_the_same_blocks(copies):
+    """full_blocks=False: no full lists, and the partial lists hold exactly the default's partial
+    and full blocks, both ways."""
+    from nsa_flex.masks.selection import initial_copies
+
+    T, G = 700, 4
+    cfg = small_config(G, 32, 16, 2, n_initial=1, n_local=1, sel_block=32)
+    _, idx = nsa_reference(**random_inputs(cfg, T, B=2, seed=6), config=cfg)
+    c = initial_copies(T, G, cfg, 16, 128) if copies else None
+    with_full = selection_block_mask(idx, T, G, cfg, 16, copies=c)
+    without = selection_block_mask(idx, T, G, cfg, 16, copies=c, full_blocks=False)
+    assert without.full_kv_num_blocks is None and without.full_q_num_blocks is None
+    assert int(with_full.full_kv_num_blocks.sum()) > 0  # the default does list full blocks here
+
+    def listed(num, idx_):
+        keep = torch.arange(idx_.shape[-1]) < num[..., None]
+        return {(*p[:-1], int(idx_[tuple(p)])) for p in torch.nonzero(keep).tolist()}
+
+    for side in ("kv", "q"):
+        both = listed(getattr(with_full, f"{side}_num_blocks"), getattr(with_full, f"{side}_indices")) | listed(
+            getattr(with_full, f"full_{side}_num_blocks"), getattr(with_full, f"full_{side}_indices"))
+        assert listed(getattr(without, f"{side}_num_blocks"), getattr(without, f"{side}_indices")) == both
+
+
 def test_selection_bits_high_bit():
     """Bit 31 of a word (the int32 sign bit) and ids in the second word."""
     idx = torch.full((1, 1, 64, 4), -1)

@@ -48,6 +48,23 @@ def test_compressor_matches_blockwise(seed, T):
     torch.testing.assert_close(out, naive_compress(comp, x), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("l,d", [(16, 8), (24, 8), (16, 16)])
+def test_compressor_gradients_match_blockwise(seed, l, d):
+    # phi's first layer runs as a sum of R = l/d chunk products: values and every gradient
+    # must be the blockwise ones.
+    cfg = CFG.replace(cmp_block=l, cmp_stride=d, sel_block=48, window=48)
+    comp = Compressor(cfg, 12, dim_out=7, hidden=9).double()
+    with torch.no_grad():
+        comp.pos_lxd.normal_()
+    x = torch.randn(2, 61, 3, 12, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, (61 - l) // d + 1, 3, 7, dtype=torch.float64)
+    params = [x, *comp.parameters()]
+    got = torch.autograd.grad(comp(x), params, grad)
+    want = torch.autograd.grad(naive_compress(comp, x), params, grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 def test_compressor_varlen_per_document(seed):
     # Blocks never straddle documents: the packed result is each document's blocks in order.
     comp = Compressor(CFG, 12).double()
@@ -198,3 +215,26 @@ def test_module_rejects_wrong_input_shape(shape):
     layer = NSAAttention(NSAConfig(n_heads=2, n_kv_heads=1, head_dim=8, n_selected=3, window=16), 16)
     with pytest.raises(ValueError, match=r"expected \[B, T, dim=16\]"):
         layer(torch.randn(*shape))
+
+
+@pytest.mark.parametrize("separate_kv", [pytest.param(False, id="shared-kv"), pytest.param(True, id="separate-kv")])
+@pytest.mark.parametrize("T", [1, 17, 100])
+def test_module_flex_forward_equals_reference(separate_kv, T):
+    # impl="flex" runs the op's branches, then the gates, gated sum and wo as its own region
+    # (NSAAttention._forward_flex): on CPU (flex is dense and exact there, forward only) the
+    # output and the selection must be the reference module's.
+    module = make_module(CFG.replace(separate_kv=separate_kv))
+    x = torch.randn(2, T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
+    with torch.no_grad():
+        want, sel_want = module(x, return_indices=True)
+        module.impl = "flex"
+        got, sel_got = module(x, return_indices=True)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert torch.equal(sel_got, sel_want)
+
+
+def test_module_flex_rejects_cpu_gradients():
+    module = make_module()
+    module.impl = "flex"
+    with pytest.raises(RuntimeError, match="no backward on CPU"):
+        module(torch.randn(1, 40, DIM, dtype=torch.float64))

@@ -140,20 +140,22 @@ def tokens_per_tile(G: int, q_block: int) -> int:
 
 def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NSAConfig,
                          q_block: int = 16, docs: Documents | None = None,
-                         copies: InitialCopies | None = None) -> BlockMask:
+                         copies: InitialCopies | None = None, full_blocks: bool = True) -> BlockMask:
     """BlockMask [B, Hkv, T*G, T] of the selected branch, folded layout, from [B, Hkv, T, n] indices.
 
     Query tiles of q_block rows, kv blocks of l' tokens. A kv block is "full" for a tile when
     every token of the tile selected it and it ends before the tile's first token; the
     rest of the union is "partial" (mask_mod applied). Both directions are emitted from the
     indices with O(T*n) sort/scatter work. With copies the keys are [B, Hkv, copies.kv_len]
-    (see InitialCopies) and the initial blocks are listed as each tile's own copy.
+    (see InitialCopies) and the initial blocks are listed as each tile's own copy. full_blocks=False
+    lists every block as partial (no full-block lists kept).
 
     On CUDA (single sequences) the lists come from `selection_lists` compiled once per shape:
     eagerly its ~60 small sort/scatter/elementwise kernels were launch-bound at 8k.
     """
     build = _COMPILED_LISTS if block_indices.is_cuda and docs is None else selection_lists
-    partial_kv, full_kv, partial_q, full_q, bits = build(block_indices, T, G, config, q_block, docs, copies)
+    partial_kv, full_kv, partial_q, full_q, bits = build(block_indices, T, G, config, q_block, docs, copies,
+                                                         full_blocks)
     mask_mod = selection_mask_mod(bits, G, config.sel_block, docs, copies)
     kv_len = T if copies is None else copies.kv_len
     return make_block_mask((T * G, kv_len), partial_kv, full_kv, partial_q, full_q, (q_block, config.sel_block),
@@ -161,9 +163,9 @@ def selection_block_mask(block_indices: torch.Tensor, T: int, G: int, config: NS
 
 
 def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConfig, q_block: int,
-                    docs: Documents | None, copies: InitialCopies | None):
+                    docs: Documents | None, copies: InitialCopies | None, full_blocks: bool = True):
     """The tensors of selection_block_mask: (partial kv, full kv, partial q, full q) lists as (num, idx), and
-    the selection bits of its mask_mod."""
+    the selection bits of its mask_mod. full_blocks=False: the full lists are (None, None)."""
     B, Hkv, _, n = block_indices.shape
     L = config.sel_block
     device = block_indices.device
@@ -179,8 +181,10 @@ def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConf
     member = j[None, :] <= (t_hi - t_lo)[:, None]  # [n_tiles, R]
     tok = torch.clamp(t_lo[:, None] + j[None, :], max=T - 1)
     cand = block_indices[:, :, tok, :].to(torch.int64)  # [B, Hkv, n_tiles, R, n]
-    if docs is None:
+    if docs is None and full_blocks:
         full_ok = (cand + 1) * L - 1 <= t_lo[:, None, None]
+    elif docs is None:
+        full_ok = torch.zeros_like(cand, dtype=torch.bool)
     else:
         cand = _global_blocks(cand, tok, docs, L)
         full_ok = torch.zeros_like(cand, dtype=torch.bool)
@@ -202,7 +206,10 @@ def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConf
     # but Flex's backward on torch 2.11 gave wrong dK/dV with any q-side list cut below the
     # number of tiles (bench/results/2026-11-22_h200_flex_gpu_tests_narrow_q_lists_reverted.txt).
     partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
-    full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
+    if full_blocks:
+        full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
+    else:
+        full_kv = full_q = (None, None)
     bits = selection_bits(block_indices, num_sel_blocks(T, config))
     return partial_kv, full_kv, partial_q, full_q, bits
 

@@ -1,0 +1,88 @@
+"""NSAAttention with impl="flex" on CUDA: every gradient against the fp64 reference module, and a
+compiled block (as training runs it) against eager.
+
+The module runs the op's branches, then gates, gated sum and wo as one checkpointed region
+(NSAAttention._forward_flex): the backward recomputes the gates and the sum. These tests
+check that recomputation end to end, parameters of the gate and wo included.
+Run through the device tool; output recorded under bench/results/.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex.model import MODEL_PRESETS, NSALM
+from nsa_flex.training.parallel import compile_blocks
+from nsa_flex.tuning import install_flex_tuning
+
+pytestmark = pytest.mark.gpu
+
+FP32_FLOOR_ULPS = 16  # as tests/test_flex_gpu.py: flex's fp32 kernels against cuBLAS math
+
+
+def grads_of(module: NSAAttention, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    y = module(x)
+    y.backward(dy.to(y.dtype))
+    out = {"y": y.detach(), "x": x.grad.detach()}
+    out |= {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return out
+
+
+@pytest.mark.parametrize("T", [300, 2500])  # 2500: long enough for initial-block copies (two)
+def test_module_flex_every_gradient_against_fp64_reference(T):
+    install_flex_tuning()
+    torch.manual_seed(T)
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=64, n_selected=4, window=128)
+    ref64 = NSAAttention(cfg, 128).to("cuda", torch.float64)
+    with torch.no_grad():
+        for p in ref64.parameters():
+            p.normal_(0.0, 0.05)
+    ref32 = copy.deepcopy(ref64).float()
+    flex32 = copy.deepcopy(ref32)
+    flex32.impl = "flex"
+    x = torch.randn(2, T, 128, device="cuda", dtype=torch.float64)
+    dy = torch.randn(2, T, 128, device="cuda", dtype=torch.float64)
+    oracle = grads_of(ref64, x, dy)
+    lo = grads_of(ref32, x.float(), dy)
+    ours = grads_of(flex32, x.float(), dy)
+    assert set(ours) == set(oracle)
+    eps = torch.finfo(torch.float32).eps
+    print(f"\nT={T} {'':22} {'flex err':>10} {'tolerance':>10}")
+    bad = {}
+    for name, want in oracle.items():
+        err = (ours[name].double() - want).abs().max().item()
+        tol = 2 * (lo[name].double() - want).abs().max().item() + FP32_FLOOR_ULPS * eps * want.abs().max().item()
+        print(f"{name:32} {err:10.3e} {tol:10.3e}")
+        if not err <= tol:
+            bad[name] = (err, tol)
+    assert not bad, bad
+
+
+def test_compiled_blocks_match_eager_bf16():
+    """A small NSA LM, bf16 autocast: compiled blocks (fullgraph, as `nsa-flex train`) against the same
+    model eager; every parameter's gradient within bf16 rounding (relative norm error)."""
+    install_flex_tuning()
+    cfg = MODEL_PRESETS["seeds-125m"].replace(n_layers=2, max_seq_len=4096, impl="flex")
+    torch.manual_seed(0)
+    eager = NSALM(cfg, device="cuda")
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 4097), device="cuda")
+    grads = []
+    for model in (eager, compiled):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    worst = ("", 0.0)
+    for name, g in grads[0].items():
+        rel = ((grads[1][name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        worst = max(worst, (name, rel), key=lambda t: t[1])
+        assert rel < 3e-2, (name, rel)
+    print(f"\nworst relative gradient difference: {worst[0]} {worst[1]:.2e} over {len(grads[0])} parameters")
