@@ -26,6 +26,10 @@ import torch
 _INSTALLED = False
 
 
+FULL_LISTS_BELOW = 32768
+"""Default longest T (exclusive) at which the selected branch keeps full-block lists (FlexTiles.full_blocks_at)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FlexTiles:
     """BlockMask block sizes of the three branches (speed knobs; results do not depend on them)."""
@@ -48,10 +52,11 @@ class FlexTiles:
     None: only at the lengths where the selected branch takes 16-row tiles (see `sel_rows`)."""
     initial_copy_tokens: int = 2048
     """Query tokens served by one copy of the initial blocks (1024 measured the same at 16k and 64k)."""
-    sel_full_blocks: bool = True
+    sel_full_blocks: bool | None = None
     """List the selected branch's causally full blocks apart (their mask_mod is skipped). False: every
-    listed block is partial, and the mask keeps no full-block lists: the q-side one is as wide as the
-    query tiles (kv blocks x tiles int32, ~50 MiB per layer of seeds-125m at 32k tokens)."""
+    listed block is partial and the mask keeps no full-block lists, whose q-side one grows as T^2
+    (kv blocks x query tiles int32: 50 MiB per layer of seeds-125m at 32k tokens). None: full lists
+    below FULL_LISTS_BELOW tokens (see `full_blocks_at`)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -76,6 +81,15 @@ class FlexTiles:
         2026-11-22_h200_tiles_copies.json); at T <= 2*n*l' one copy would serve every token.
         """
         return (not is_short(T, config)) if self.split_initial is None else self.split_initial
+
+    def full_blocks_at(self, T: int) -> bool:
+        """Whether the selected branch lists full blocks at length T (sel_full_blocks, or by length).
+
+        Without them, fwd+bwd at seeds-125m's shape (G=4) took 8.5% longer at T=8192, B=4 (24.1
+        against 22.2 ms) but 1.7% at T=32768 (33.5 against 32.9), where the full q-side list is
+        50 MiB per layer (H200, bench/results/2026-11-22_h200_tiles_full_lists.json).
+        """
+        return T < FULL_LISTS_BELOW if self.sel_full_blocks is None else self.sel_full_blocks
 
     def sel_rows(self, T: int, config) -> int:
         """Query rows per selected-branch tile at length T: sel_q_block, or when None the measured choice.
