@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nsa_flex.masks.selection import initial_copies, tokens_per_tile
 from nsa_flex.model import NSALM, NSAModelConfig
+from nsa_flex.ops.blockmask import query_chunks
 from nsa_flex.tuning import FlexTiles
 
 GIB = 2**30
@@ -98,16 +100,17 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     a = 4 if precision == "fp32" else 2
     tokens = batch_size * seq_len
     tiles = FlexTiles(sel_q_block=sel_q_block)
-    layer = _layer_bytes(config, a, compiled, impl == "flex" and tiles.split_at(seq_len, config.nsa))
+    layer = _layer_bytes(config, a, compiled, impl, seq_len, tiles)
     if activation_checkpointing:
-        activations = config.n_layers * 4 * config.dim * tokens + layer * tokens
+        activations = int(config.n_layers * 4 * config.dim * tokens + layer * tokens)
     else:
-        activations = config.n_layers * layer * tokens
+        activations = int(config.n_layers * layer * tokens)
     # The final norm and the head run eagerly: fp32 input, fp32 normalised copy, low-precision cast.
     activations += (8 + a) * config.dim * tokens
     V = config.vocab_size
-    logits = tokens * V * ((2 * a + 4) if compiled else (12 + a))
-    masks = _mask_bytes(config, batch_size, seq_len, impl, tiles.sel_rows(seq_len, config.nsa))
+    # Compiled, the fused loss keeps only the low-precision logits and their gradient.
+    logits = tokens * V * ((2 * a) if compiled else (12 + a))
+    masks = _mask_bytes(config, batch_size, seq_len, impl, tiles)
     if activation_checkpointing:
         masks //= config.n_layers
     overhead = 0
@@ -127,41 +130,42 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     )
 
 
-def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, split: bool = True) -> int:
+def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int, tiles: FlexTiles) -> float:
     """Bytes saved for the backward per token per layer (a = activation bytes, fp32 residual).
 
-    split: the selected branch's keys and values carry the initial-block copies
-    (FlexTiles.split_at): one contiguous copy of each is kept for the backward. The other
-    terms were fitted on an H200 when the split was a separate Flex call, whose output and
-    the fp32 operands of its lse merge, ~(8 + 2a) bytes per output element, are gone now.
+    Itemised from the tensors the compiled blocks of seeds-125m save (saved_tensors_hooks on an
+    H200, bench/results/2026-11-22_h200_memory_probe_after.json; the masks are `_mask_bytes`).
+    Both: the fp32 residual and two normalised low-precision copies (the inputs of the q/k/v and
+    MLP matmuls), SwiGLU's three F-wide tensors. Dense: q, k, v, o, lse and the copy of o that
+    feeds wo. NSA with impl flex: the folded q, the selected branch's k/v (with the initial-block
+    copies where split; the window reads a view of them), three branch outputs and their lse,
+    phi's d-token chunks, hidden and outputs, and the compressed k/v repeated per query chunk;
+    gates, gated sum and wo's input are recomputed in the backward (NSAAttention._forward_flex).
+    Eager blocks also keep RMSNorm's fp32 intermediates, SwiGLU's product and the head-merge copy.
     """
     n = cfg.nsa
-    C, F, Hq = cfg.dim, cfg.mlp_hidden, n.n_heads
-    Aq, Ak, Av, Ao = Hq * n.head_dim, n.n_kv_heads * n.head_dim, n.n_kv_heads * n.dv, Hq * n.dv
+    C, F, Hq, Hkv = cfg.dim, cfg.mlp_hidden, n.n_heads, n.n_kv_heads
+    Aq, Ak, Av, Ao = Hq * n.head_dim, Hkv * n.head_dim, Hkv * n.dv, Hq * n.dv
     if compiled:
-        # Matmul inputs and attention inputs/outputs; pointwise ops are recomputed.
-        norms = 2 * (4 + a) * C
-        mlp = 3 * a * F
-        wo_input = 0
+        norms, mlp = (4 + 2 * a) * C, 3 * a * F
     else:
-        # RMSNorm keeps its fp32 input and normalised output plus the autocast copy; SwiGLU keeps
-        # w1/w3 outputs, silu's output and the product; the head-merge reshape copies o.
-        norms = 2 * (8 + a) * C
-        mlp = 4 * a * F
-        wo_input = a * Ao
-    attn = a * (Aq + Ak + Av) + wo_input
+        norms, mlp = 2 * (8 + a) * C, 4 * a * F
     if cfg.attention == "dense":
-        return norms + mlp + attn + a * Ao + 4 * Hq
-    l_over_d = n.cmp_block / n.cmp_stride
-    compress = a * n.n_kv_heads * (n.head_dim + n.dv) * (l_over_d + 3 / n.cmp_stride)
-    gate = 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
-    branch_out = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
-    folded = a * (Aq + Ao)
-    copies = a * (Ak + Av) if split else 0
-    return int(norms + mlp + attn + compress + gate + branch_out + folded - (8 + 2 * a) * Ao + copies)
+        return norms + mlp + a * (Aq + Ak + Av) + 2 * a * Ao + 4 * Hq
+    flex = impl == "flex"
+    kv_len = T
+    if flex and tiles.split_at(T, n):
+        copies = initial_copies(T, n.group_size, n, tiles.sel_rows(T, n), tiles.initial_copy_tokens)
+        kv_len = T if copies is None else copies.kv_len
+    chunks = query_chunks(T * n.group_size, tiles.cmp_block[0], tiles.max_chunks, tiles.min_chunk_rows)
+    kv = a * (Ak + Av) * kv_len / T
+    compress = a * Hkv * (n.head_dim + n.dv) * (1 + (2 + chunks) / n.cmp_stride)
+    outs = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
+    recomputed = 0 if flex else a * Ao + 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
+    return norms + mlp + a * Aq + kv + compress + outs + recomputed
 
 
-def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int) -> int:
+def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles) -> int:
     """Mask/selection tensors of all layers for one micro-batch (0 for dense attention)."""
     if cfg.attention == "dense":
         return 0
@@ -174,11 +178,20 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, sel_q_block: int
         per_seq = (2 * 13 * n.n_heads * T * T + 13 * n.n_heads * T * Tc + n.n_kv_heads * T * T
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
     else:
-        indices = 8 * n.n_kv_heads * T * n.n_selected
-        q_blocks = math.ceil(T * n.group_size / sel_q_block)
-        block_mask = 2 * 4 * n.n_kv_heads * q_blocks * Ns
-        per_seq = indices + block_mask
-    return cfg.n_layers * B * per_seq
+        # The mask_mod's selection bits; per query tile a kv-side list (the union of its tokens'
+        # blocks), per kv block a q-side list as wide as the query tiles (Flex's backward needs
+        # that width); both once more for the full blocks where they are listed apart.
+        bits = 4 * n.n_kv_heads * T * math.ceil(Ns / 32)
+        q_block = tiles.sel_rows(T, n)
+        q_blocks = math.ceil(T * n.group_size / q_block)
+        kv_blocks = Ns
+        if tiles.split_at(T, n):
+            copies = initial_copies(T, n.group_size, n, q_block, tiles.initial_copy_tokens)
+            kv_blocks += 0 if copies is None else copies.count * n.n_initial
+        width = min(kv_blocks, tokens_per_tile(n.group_size, q_block) * n.n_selected)
+        lists = 4 * n.n_kv_heads * q_blocks * (kv_blocks + width)
+        per_seq = bits + lists * (2 if tiles.full_blocks_at(T) else 1)
+    return int(cfg.n_layers * B * per_seq)
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

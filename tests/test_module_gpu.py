@@ -65,8 +65,9 @@ def test_module_flex_every_gradient_against_fp64_reference(T):
 
 
 def test_compiled_blocks_match_eager_bf16():
-    """A small NSA LM, bf16 autocast: compiled blocks (fullgraph, as `nsa-flex train`) against the same
-    model eager; every parameter's gradient within bf16 rounding (relative norm error)."""
+    """A small NSA LM, bf16 autocast: compiled blocks (fullgraph, as `nsa-flex train`) against fp32
+    eager, per parameter no further than the eager bf16 run is (relative norm error, derived
+    tolerance: 2x eager's own error plus 1e-3)."""
     install_flex_tuning()
     cfg = MODEL_PRESETS["seeds-125m"].replace(n_layers=2, max_seq_len=4096, impl="flex")
     torch.manual_seed(0)
@@ -74,15 +75,18 @@ def test_compiled_blocks_match_eager_bf16():
     compiled = copy.deepcopy(eager)
     compile_blocks(compiled)
     tokens = torch.randint(0, cfg.vocab_size, (2, 4097), device="cuda")
-    grads = []
-    for model in (eager, compiled):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    grads = {}
+    for name, model, low in (("fp32", eager, False), ("eager", eager, True), ("compiled", compiled, True)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
             loss = model.loss(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
-    worst = ("", 0.0)
-    for name, g in grads[0].items():
-        rel = ((grads[1][name] - g).norm() / g.norm().clamp_min(1e-30)).item()
-        worst = max(worst, (name, rel), key=lambda t: t[1])
-        assert rel < 3e-2, (name, rel)
-    print(f"\nworst relative gradient difference: {worst[0]} {worst[1]:.2e} over {len(grads[0])} parameters")
+        grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    bad = {}
+    print(f"\n{'parameter':40} {'compiled':>10} {'eager':>10}")
+    for name, want in grads["fp32"].items():
+        rel = {k: ((grads[k][name] - want).norm() / want.norm().clamp_min(1e-30)).item() for k in ("compiled", "eager")}
+        print(f"{name:40} {rel['compiled']:10.2e} {rel['eager']:10.2e}")
+        if not rel["compiled"] <= 2 * rel["eager"] + 1e-3:
+            bad[name] = rel
+    assert not bad, bad
