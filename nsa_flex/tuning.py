@@ -26,10 +26,6 @@ import torch
 _INSTALLED = False
 
 
-FULL_LISTS_BELOW = 32768
-"""Default longest T (exclusive) at which the selected branch keeps full-block lists (FlexTiles.full_blocks_at)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class FlexTiles:
     """BlockMask block sizes of the three branches (speed knobs; results do not depend on them)."""
@@ -52,11 +48,13 @@ class FlexTiles:
     None: only at the lengths where the selected branch takes 16-row tiles (see `sel_rows`)."""
     initial_copy_tokens: int = 2048
     """Query tokens served by one copy of the initial blocks (1024 measured the same at 16k and 64k)."""
-    sel_full_blocks: bool | None = None
+    sel_full_blocks: bool = True
     """List the selected branch's causally full blocks apart (their mask_mod is skipped). False: every
     listed block is partial and the mask keeps no full-block lists, whose q-side one grows as T^2
-    (kv blocks x query tiles int32: 50 MiB per layer of seeds-125m at 32k tokens). None: full lists
-    below FULL_LISTS_BELOW tokens (see `full_blocks_at`)."""
+    (kv blocks x query tiles int32: 50 MiB per layer of seeds-125m at 32k tokens). It saves that
+    memory but cost time: seeds-125m's training step at T=32768 took 353 against 304 ms (H200,
+    bench/results/2026-11-22_h200_ab32k_*.json; the op alone: 33.5 against 32.9 ms fwd+bwd,
+    ..._tiles_full_lists.json)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -83,13 +81,8 @@ class FlexTiles:
         return (not is_short(T, config)) if self.split_initial is None else self.split_initial
 
     def full_blocks_at(self, T: int) -> bool:
-        """Whether the selected branch lists full blocks at length T (sel_full_blocks, or by length).
-
-        Without them, fwd+bwd at seeds-125m's shape (G=4) took 8.5% longer at T=8192, B=4 (24.1
-        against 22.2 ms) but 1.7% at T=32768 (33.5 against 32.9), where the full q-side list is
-        50 MiB per layer (H200, bench/results/2026-11-22_h200_tiles_full_lists.json).
-        """
-        return T < FULL_LISTS_BELOW if self.sel_full_blocks is None else self.sel_full_blocks
+        """Whether the selected branch lists full blocks apart at length T (sel_full_blocks, at every T)."""
+        return self.sel_full_blocks
 
     def sel_rows(self, T: int, config) -> int:
         """Query rows per selected-branch tile at length T: sel_q_block, or when None the measured choice.
