@@ -385,7 +385,10 @@ def test_phi_step_twin_writes_completed_blocks_only(dtype):
             block = tail[b][:, slots].transpose(0, 1)[None]  # [1, l, Hkv, D], token order
             with torch.no_grad():
                 expected = phi(block)[0, 0]
-            assert torch.equal(cmp[b, :, done // d], expected), b
+            # The module runs phi's first layer as l/d chunk products, each rounded to the dtype
+            # (nsa_flex.compression); the twin does one product: equal to a few ulps of the scale.
+            tol = 4 * torch.finfo(dtype).eps * expected.abs().max().item()
+            torch.testing.assert_close(cmp[b, :, done // d], expected, rtol=0, atol=tol, msg=str(b))
             changed = torch.ones(cmp.shape[2], dtype=torch.bool)
             changed[done // d] = False
             assert torch.equal(cmp[b, :, changed], before[b, :, changed])
