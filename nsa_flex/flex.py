@@ -263,7 +263,7 @@ def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float
     if keys is None:
         keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
     mask = selection_block_mask(block_indices, T, G, config, tiles.sel_rows(T, config), docs, copies=keys.copies,
-                                full_blocks=tiles.full_blocks_at(T))
+                                full_blocks=tiles.sel_full_blocks)
     return _call(_flex_sel, q_fold, keys.k, keys.v, mask, scale, "sel")
 
 

@@ -190,7 +190,7 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles
             kv_blocks += 0 if copies is None else copies.count * n.n_initial
         width = min(kv_blocks, tokens_per_tile(n.group_size, q_block) * n.n_selected)
         lists = 4 * n.n_kv_heads * q_blocks * (kv_blocks + width)
-        per_seq = bits + lists * (2 if tiles.full_blocks_at(T) else 1)
+        per_seq = bits + lists * (2 if tiles.sel_full_blocks else 1)
     return int(cfg.n_layers * B * per_seq)
 
 

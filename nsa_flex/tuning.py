@@ -80,10 +80,6 @@ class FlexTiles:
         """
         return (not is_short(T, config)) if self.split_initial is None else self.split_initial
 
-    def full_blocks_at(self, T: int) -> bool:
-        """Whether the selected branch lists full blocks apart at length T (sel_full_blocks, at every T)."""
-        return self.sel_full_blocks
-
     def sel_rows(self, T: int, config) -> int:
         """Query rows per selected-branch tile at length T: sel_q_block, or when None the measured choice.
 
