@@ -33,16 +33,19 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     return {
         "default": {},
         "splits_x2": {"SPLITS": splits * 2},
-        "splits_x4": {"SPLITS": splits * 4},
         "splits_half": {"SPLITS": max(1, splits // 2)},
-        "bc128": {"BC": 128},
-        "bc32_splits_x2": {"BC": 32, "SPLITS": splits * 2},
-        "bs64": {"BS": 64},
-        "bs16": {"BS": 16},
-        "bn32": {"BN": 32, "WCH": 64},
-        "warps8": {"num_warps": 8},
-        "stages3": {"num_stages": 3},
+        "splits_quarter": {"SPLITS": max(1, splits // 4)},
+        "bc32": {"BC": 32},
         "stages1": {"num_stages": 1},
+        "warps2": {"num_warps": 2},
+        "ti1": {"TI": 1},
+        "ti2": {"TI": 2},
+        "ti8": {"TI": 8},
+        "rb8": {"RB": 8},
+        "rb32": {"RB": 32},
+        "cb128": {"CB": 128},
+        "cb512": {"CB": 512},
+        "rb32_cb128": {"RB": 32, "CB": 128},
     }
 
 

@@ -11,6 +11,7 @@ scale, a few fp32 ulps of the values').
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy
@@ -34,7 +35,7 @@ def _interpreting() -> bool:
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(decode_triton._cmp_split_kernel, InterpretedFunction)
+    return isinstance(decode_triton._cmp_win_kernel, InterpretedFunction)
 
 
 def _interpreter_skip() -> str | None:
@@ -129,9 +130,9 @@ def importance_fp64(inputs, pos, cfg: NSAConfig):
     return scores[:, :, None], importance_tolerance(q.shape[-1], q.shape[2], cfg, abs_dot, gap)
 
 
-def check_kernels(cfg: NSAConfig, T: int, positions, dtype, device, seed=0, tiles=None):
+def check_kernels(cfg: NSAConfig, T: int, positions, dtype, device, seed=0, tiles=None, inputs=None):
     B = len(positions)
-    inputs = make_inputs(cfg, B, T, dtype, device, seed)
+    inputs = make_inputs(cfg, B, T, dtype, device, seed) if inputs is None else inputs
     pos = torch.tensor(positions, device=device)
     q, k, v, k_win, v_win, k_cmp, v_cmp, gates = inputs
     scale = q.shape[-1] ** -0.5
@@ -168,9 +169,26 @@ def test_kernels_interpreted(name, positions):
 
 @interpreter
 def test_kernels_interpreted_one_split_per_tile():
-    # Several splits of kernel A and several importance tiles of kernel B, with empty splits.
+    # Several splits of kernel A, tiles of four selection blocks (folds spilling into the next tile), empty splits.
     cfg, T = CONFIGS["g16-paper"]
-    check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "SPLITS": 7, "BS": 4})
+    check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "SPLITS": 7})
+    # Small importance and rank programs: two tiles each, ranks against 8 blocks at a time, n > RB.
+    check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "TI": 2, "RB": 4, "CB": 8})
+
+
+@interpreter
+def test_kernels_interpreted_block_past_the_tiles():
+    # T = 1040: 64 compressed entries fill whole tiles; the 17th selection block (tokens
+    # 1024..1039) lies past every tile, yet the last entry reaches into it. With no local
+    # block forced, its importance decides whether the query's own block is chosen.
+    cfg, _ = CONFIGS["g16-paper"]
+    check_kernels(cfg, 1040, [1039, 1024, 1030], torch.float32, "cpu")
+    no_local = dataclasses.replace(cfg, n_local=0, n_selected=3)
+    inputs = list(make_inputs(no_local, 2, 1040, torch.float32, "cpu"))
+    # Queries along the last entry (63: chunks 63 and 64): block 15 first, block 16 second.
+    inputs[0] = 2 * inputs[5][:, :, 63:64].expand_as(inputs[0])
+    blocks = check_kernels(no_local, 1040, [1039, 1039], torch.float32, "cpu", tiles={"BC": 16}, inputs=inputs)
+    assert (blocks == 16).any(dim=-1).all(), "the block past the tiles must be chosen"
 
 
 @interpreter

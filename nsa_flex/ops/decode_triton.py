@@ -3,31 +3,31 @@
 The G query heads of a kv head share its keys and its selection, so every program takes them
 as the rows of one tile ([G', D], G' = G rounded up to a power of two, at least 16 for tl.dot).
 
-A  split-K over the compressed cache, grid (B*Hkv, SPLITS): the entries visible at pos (entry
-   i iff i*d + l - 1 <= pos) are cut into SPLITS ranges of whole tiles; each program writes
-   the raw scaled scores s [B*Hkv, G, Tc] (fp32) and its flash partial (m, l, acc).
-B  importance, grid (B*Hkv, selection-block tiles): lse of each row from A's (m, l); then
-   p = exp(s - lse) summed over the G rows and folded onto selection blocks: selection block j
-   collects compression block i = (j - k) R + a (R = l'/d, a < R) with weight w_k(a), the
-   number of d-token chunks block i shares with block j. Tiles after the query's own block
-   do nothing.
-C  selected + window attention, grid (B*Hkv, n + window chunks). A selection program first
-   takes the top n of the importance (n passes of max over int64 keys: score bits above the
-   reversed block id, the key of select_blocks_one, so ties go to the lower id; forced blocks
-   score +inf, blocks after the query's own are out) and keeps the pick of its slot; then it
-   attends over that block's tokens <= pos. A window program attends over one chunk of the
-   last w tokens. Each writes a flash partial.
-D  combine, grid (B*Hkv, G): merges A's partials (cmp branch), C's selection and window
+A  compressed split-K and window, grid (B*Hkv, SPLITS + window chunks). A compressed program
+   takes a range of tiles of the entries visible at pos (entry i iff i*d + l - 1 <= pos); a
+   tile holds BCL = R * (BC // R) entries (R = l'/d), i.e. whole selection blocks. Besides its
+   flash partial (m, l, acc) it folds each tile's probabilities onto selection blocks right
+   away: with p = exp(s - m_t) (m_t: the running max after the tile, stored), it stores
+   P_t = p @ W [G, JS], W[c, j] the number of d-token chunks entry c shares with block j
+   (a tile's entries reach JS - BCL/R blocks into the next tile). A window program attends
+   over one chunk of the last w tokens. Nothing of size G x Tc is written: the earlier design
+   stored every score and a second kernel re-read them.
+B  selection, grid (B*Hkv,): lse of each row from A's partials; the importance of selection
+   block j = sum over rows g and the tiles t reaching j of exp(m_t[g] - lse[g]) P_t[g, j];
+   then the top n (n passes of max over int64 keys: score bits above the reversed block id,
+   the key of select_blocks_one, so ties go to the lower id; forced blocks score +inf, blocks
+   after the query's own are out). Writes the n block ids.
+C  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
+D  combine, grid (B*Hkv, G): merges A's compressed partials, C's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype.
 
 Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
-as flash does. Scratch (scores, partials, importance) is allocated per call, so under
-torch.compile it lives in the CUDA graph's pool. Work depends on pos (a tensor), never the
-grid: one graph serves every position.
+as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded probabilities) is
+allocated per call, so under torch.compile it lives in the CUDA graph's pool. Work depends on
+pos (a tensor), never the grid: one graph serves every position.
 
-Limits: a selection program holds the whole importance row of its sequence, next_pow2(T / l')
-int64 keys (4096 at 128k tokens: 32 per thread); far longer caches want a tiled top-n. Slot k
-runs k + 1 passes, so the last slot sets the kernel's latency.
+Limits: B holds the whole importance row of its sequence, next_pow2(T / l') keys (2048 at 128k
+tokens: 16 int64 per thread); far longer caches want a tiled top-n.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ _TARGET_PROGRAMS = 1024
 B=8, 64k, four times the splits of 256 took the op from 82 to 78 us; at B=1 the split count is
 capped by the tiles anyway (bench/results/2026-11-22_h200_decode_tiles.json)."""
 
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "RB", "CB", "num_warps", "num_stages")
+
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
@@ -61,68 +63,93 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int]:
-    """Tile sizes: BC compressed entries per tile of A, SPLITS of A, BS selection blocks per
-    program of B (16 at l'/d = 4: 17 against 22 us at B=8, 64k), BN tokens per tile of C and WCH window tokens per program of C (one
-    selection block's worth, so selection and window programs do equal work)."""
-    BC = 64
-    RP = _next_pow2(config.sel_block // config.cmp_stride)
+    """Tile sizes: BC compressed-entry lanes per tile of A (a tile uses R * (BC // R) of them),
+    SPLITS of A, BN tokens per tile of C and of A's window programs, WCH window tokens per
+    window program (one selection block's worth, so selection and window programs do equal
+    work); TI tiles per importance program, RB blocks ranked per program against CB at a time."""
+    R = config.sel_block // config.cmp_stride
+    BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
-    return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, BC), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
-            "BS": max(1, 64 // RP), "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN),
-            "num_warps": 4, "num_stages": 2}
+    return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
+            "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
+            "RB": 16, "CB": 256, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
                          tiles: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches A-D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
 
-    CUDA tensors, or CPU tensors under the Triton interpreter (tests): there tl.dot runs in
-    fp32, since the interpreter's dot misreads bf16 (its raw 16-bit patterns).
+    tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
+    Triton interpreter (tests): there tl.dot runs in fp32, since the interpreter's dot misreads
+    bf16 (its raw 16-bit patterns).
     """
     B, Hkv, G, Dk = q.shape
     T, Tc, Dv = k.shape[2], k_cmp.shape[2], v.shape[-1]
     for name, x in (("k", k), ("v", v), ("k_win", k_win), ("v_win", v_win), ("k_cmp", k_cmp), ("v_cmp", v_cmp)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride {x.stride(-1)})")
+    unknown = sorted(set(tiles or {}) - set(TILE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown decode tile keys {unknown}; allowed: {', '.join(TILE_KEYS)}")
     cfg = {**launch_config(B, Hkv, Tc, config), **(tiles or {})}
-    BC, SPLITS, BS, BN, WCH = (cfg[name] for name in ("BC", "SPLITS", "BS", "BN", "WCH"))
-    NS, N, R = num_sel_blocks(T, config), config.n_selected, config.sel_block // config.cmp_stride
-    m_cmp = config.cmp_block // config.cmp_stride
+    BC, SPLITS, BN, WCH = (cfg[name] for name in ("BC", "SPLITS", "BN", "WCH"))
+    NS, N = num_sel_blocks(T, config), config.n_selected
+    R, M_CMP = config.sel_block // config.cmp_stride, config.cmp_block // config.cmp_stride
+    if BC < R or BC & (BC - 1):
+        raise ValueError(f"decode tile BC={BC} must be a power of two >= l'/d = {R}")
+    # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
+    JT = BC // R
+    BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
+    NT = _cdiv(Tc, BCL)
     w = min(config.window, T)
     NW = _cdiv(w, WCH)
     dev, f32 = q.device, torch.float32
     ROWS, DKP, DVP = max(16, _next_pow2(G)), max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
-    out_dtype, q = q.dtype, q.to(k.dtype).contiguous()
-    gates, pos = gates.to(f32).contiguous(), pos.contiguous()
+    out_dtype = q.dtype
+    q = q.to(k.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    gates, pos = gates.contiguous(), pos.contiguous()
     BH = B * Hkv
-    s = torch.empty((BH, G, Tc), dtype=f32, device=dev)
     m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
-    imp = torch.empty((BH, NS), dtype=f32, device=dev)
+    fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
+    m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
+    # Importance per selection block, over the NT tiles' blocks and the next KB - 1 tiles' (where
+    # the last tile's entries reach); the rank kernel reads 0 past them.
+    KB = 1 + _cdiv(JS - JT, JT)
+    NTI = NT + KB - 1
+    NSI = max(NS, NTI * JT)
+    imp = torch.empty((BH, NSI), dtype=f32, device=dev)
     m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
     o = torch.empty((B, Hkv, G, Dv), dtype=out_dtype, device=dev)
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
-    launch = dict(num_warps=cfg["num_warps"])
-    wrap_triton(_cmp_split_kernel)[(BH, SPLITS)](
-        q, k_cmp, v_cmp, pos, s, m_a, l_a, acc_a, Hkv, Tc, scale,
-        *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3],
-        **dims, **dots, BC=BC, SPLITS=SPLITS, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        num_stages=cfg["num_stages"], **launch,
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    wrap_triton(_cmp_win_kernel)[(BH, SPLITS + NW)](
+        q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c,
+        Hkv, T, Tc, NT, w, scale,
+        *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
+        CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
+        **launch,
     )
-    wrap_triton(_importance_kernel)[(BH, _cdiv(NS, BS))](
-        s, m_a, l_a, pos, imp, Hkv, T, Tc, NS,
-        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), BS=BS, R=R, RP=_next_pow2(R),
-        M_CMP=m_cmp, KMAX=(R + m_cmp - 2) // R, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        SEL_BLOCK=config.sel_block, **launch,
+    TI, RB = cfg["TI"], cfg["RB"]
+    wrap_triton(_importance_kernel)[(BH, _cdiv(NTI, TI))](
+        fold, m_tile, m_a, l_a, pos, imp, Hkv, T, Tc, NT, NTI, NSI,
+        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
+        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block,
+        CMP_STRIDE=config.cmp_stride, SEL_BLOCK=config.sel_block, num_warps=4,
     )
-    wrap_triton(_sel_win_kernel)[(BH, N + NW)](
-        q, k, v, k_win, v_win, pos, imp, blocks, m_c, l_c, acc_c, Hkv, T, NS, w, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, N=N, NSP=_next_pow2(NS), N_INIT=config.n_initial, N_LOCAL=config.n_local,
-        SEL_BLOCK=config.sel_block, WCH=WCH, BN=BN, num_stages=cfg["num_stages"], **launch,
+    wrap_triton(_rank_kernel)[(BH, _cdiv(NS, RB))](
+        imp, pos, blocks, Hkv, T, NS, NSI, NTI * JT, RB=RB, CB=cfg["CB"], N=N, NP=_next_pow2(N), N_INIT=config.n_initial,
+        N_LOCAL=config.n_local, SEL_BLOCK=config.sel_block, num_warps=4,
+    )
+    wrap_triton(_sel_kernel)[(BH, N)](
+        q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, **launch,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o,
@@ -171,7 +198,8 @@ if HAS_TRITON:
     @triton.jit
     def _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale, k_mask, v_mask,
                     F32_DOT: tl.constexpr, IEEE: tl.constexpr):
-        """One key tile of an online softmax: keys where ok ([BN] columns), returns (m, l, acc, s)."""
+        """One key tile of an online softmax: keys where ok ([BN] columns), returns (m, l, acc, p),
+        p = exp(s - m) with the new m (0 where not ok)."""
         k_dn = tl.load(k_ptrs, mask=k_mask, other=0.0)
         s = (_dot(q_rd, k_dn, F32_DOT, IEEE) * scale).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -181,7 +209,7 @@ if HAS_TRITON:
         p = tl.exp(s - m_new[:, None])
         v_nd = tl.load(v_ptrs, mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v_nd.dtype), v_nd, F32_DOT, IEEE)
-        return m_new, l * alpha + tl.sum(p, axis=1), acc, s
+        return m_new, l * alpha + tl.sum(p, axis=1), acc, p
 
     @triton.jit
     def _store_partial(m_ptr, l_ptr, acc_ptr, idx, m, l, acc, ROWS: tl.constexpr, DVP: tl.constexpr):
@@ -191,132 +219,10 @@ if HAS_TRITON:
         tl.store(acc_ptr + (idx * ROWS + g)[:, None] * DVP + tl.arange(0, DVP)[None, :], acc)
 
     @triton.jit
-    def _cmp_split_kernel(
-        q_ptr, kc_ptr, vc_ptr, pos_ptr, s_ptr, m_ptr, l_ptr, acc_ptr, Hkv, Tc, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, SPLITS: tl.constexpr,
-        CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    ):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        n_vis = _n_visible(tl.load(pos_ptr + b), Tc, CMP_BLOCK, CMP_STRIDE)
-        n_tiles = tl.cdiv(n_vis, BC)
-        per = tl.cdiv(n_tiles, SPLITS)
-        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        g = tl.arange(0, ROWS)
-        dk = tl.arange(0, DKP)
-        dv = tl.arange(0, DVP)
-        m, l, acc = _flash_init(ROWS, DVP)
-        cc = tl.arange(0, BC)
-        # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
-        k_base = kc_ptr + b * sk_b + h * sk_h
-        v_base = vc_ptr + b * sv_b + h * sv_h
-        s_base = s_ptr + bh.to(tl.int64) * G * Tc
-        for t in range(split * per, tl.minimum(split * per + per, n_tiles)):
-            c0 = t * BC
-            ok = c0 + cc < n_vis
-            k_ptrs = k_base + c0.to(tl.int64) * sk_t + cc[None, :] * sk_t + dk[:, None]
-            v_ptrs = v_base + c0.to(tl.int64) * sv_t + cc[:, None] * sv_t + dv[None, :]
-            m, l, acc, s = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
-                                       ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
-                                       F32_DOT, IEEE)
-            tl.store(s_base + c0 + g[:, None] * Tc + cc[None, :], s, mask=(g[:, None] < G) & ok[None, :])
-        _store_partial(m_ptr, l_ptr, acc_ptr, bh * SPLITS + split, m, l, acc, ROWS, DVP)
-
-    @triton.jit
-    def _importance_kernel(
-        s_ptr, m_ptr, l_ptr, pos_ptr, imp_ptr, Hkv, T, Tc, NS,
-        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
-        BS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, KMAX: tl.constexpr,
-        CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    ):
-        bh = tl.program_id(0)
-        j0 = tl.program_id(1) * BS
-        pos = _load_pos(pos_ptr, bh // Hkv, T)
-        own = pos // SEL_BLOCK
-        if j0 <= own:
-            n_vis = _n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE)
-            # lse of each row from A's partials (unused where nothing is visible: then no s is read).
-            g = tl.arange(0, GP)
-            sp = tl.arange(0, SPP)
-            part = bh * SPLITS * ROWS + sp[:, None] * ROWS + g[None, :]
-            m_sg = tl.load(m_ptr + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
-            l_sg = tl.load(l_ptr + part, mask=sp[:, None] < SPLITS, other=0.0)
-            m_g = tl.max(m_sg, axis=0)
-            m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
-            den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
-            lse = m_g + tl.log(tl.where(den > 0, den, 1.0))
-            j = j0 + tl.arange(0, BS)
-            a = tl.arange(0, RP)
-            s_base = s_ptr + bh.to(tl.int64) * G * Tc
-            imp = tl.zeros([BS], tl.float32)
-            for kk in tl.static_range(KMAX + 1):
-                # Compression block i = (j - kk) R + a shares w(a) chunks with selection block j.
-                w = tl.minimum(a - kk * R + M_CMP, R) - tl.maximum(a - kk * R, 0)
-                w = tl.where(a < R, tl.maximum(w, 0), 0).to(tl.float32)
-                c_sr = (j[:, None] - kk) * R + a[None, :]
-                ok_sr = (a[None, :] < R) & (c_sr >= 0) & (c_sr < n_vis) & (j[:, None] <= own)
-                c = tl.reshape(c_sr, [BS * RP])
-                ok = (g[:, None] < G) & tl.reshape(ok_sr, [BS * RP])[None, :]
-                s = tl.load(s_base + g[:, None] * Tc + c[None, :], mask=ok, other=0.0)
-                p_c = tl.sum(tl.where(ok, tl.exp(s - lse[:, None]), 0.0), axis=0)
-                imp += tl.sum(tl.reshape(p_c, [BS, RP]) * w[None, :], axis=1)
-            tl.store(imp_ptr + bh * NS + j, imp, mask=(j <= own) & (j < NS))
-
-    @triton.jit
-    def _top_pick(imp_ptr, bh, NS, own, slot, NSP: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
-        """The block in place `slot` of the top n (descending key), -1 if fewer blocks are valid."""
-        j = tl.arange(0, NSP)
-        valid = j <= own
-        imp = tl.load(imp_ptr + bh * NS + j, mask=valid, other=0.0)
-        forced = valid & ((j < N_INIT) | (j > own - N_LOCAL))
-        score = tl.where(forced, float("inf"), imp)
-        # Importance is >= 0, so its int32 bits order like the value; the reversed id below
-        # makes keys unique with ties to the lower block id.
-        key = score.to(tl.int32, bitcast=True).to(tl.int64) * 4294967296 + (NS - 1 - j)
-        key = tl.where(valid, key, -1)
-        top = tl.max(key, axis=0)
-        for _ in range(0, slot):
-            key = tl.where(key == top, -1, key)
-            top = tl.max(key, axis=0)
-        return tl.where(top >= 0, NS - 1 - (top % 4294967296), -1)
-
-    @triton.jit
-    def _sel_win_kernel(
-        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, imp_ptr, blocks_ptr, m_ptr, l_ptr, acc_ptr,
-        Hkv, T, NS, w, scale, sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-        skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
-        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NSP: tl.constexpr,
-        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, SEL_BLOCK: tl.constexpr, WCH: tl.constexpr,
-        BN: tl.constexpr,
-    ):
-        bh = tl.program_id(0)
-        part = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        pos = _load_pos(pos_ptr, b, T)
-        if part < N:
-            blk = _top_pick(imp_ptr, bh, NS, pos // SEL_BLOCK, part, NSP, N_INIT, N_LOCAL)
-            tl.store(blocks_ptr + bh * N + part, blk)
-            lo = tl.maximum(blk, 0) * SEL_BLOCK
-            hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
-            k_base = k_ptr + b * sk_b + h * sk_h
-            v_base = v_ptr + b * sv_b + h * sv_h
-            skt = sk_t
-            svt = sv_t
-        else:
-            start = pos - w + 1 + (part - N) * WCH
-            lo = tl.maximum(start, 0)
-            hi = tl.minimum(start + WCH, pos + 1)
-            k_base = kw_ptr + b * skw_b + h * skw_h
-            v_base = vw_ptr + b * svw_b + h * svw_h
-            skt = skw_t
-            svt = svw_t
-        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
+    def _attend_range(q_rd, k_base, v_base, skt, svt, lo, hi, scale, ROWS: tl.constexpr, DK: tl.constexpr,
+                      DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BN: tl.constexpr,
+                      F32_DOT: tl.constexpr, IEEE: tl.constexpr):
+        """Online softmax over the tokens lo..hi-1 of one kv head: (m, l, acc)."""
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
         m, l, acc = _flash_init(ROWS, DVP)
@@ -328,7 +234,161 @@ if HAS_TRITON:
             m, l, acc, _ = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
                                        ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
                                        F32_DOT, IEEE)
-        _store_partial(m_ptr, l_ptr, acc_ptr, bh * tl.num_programs(1) + part, m, l, acc, ROWS, DVP)
+        return m, l, acc
+
+    @triton.jit
+    def _cmp_win_kernel(
+        q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a, m_c, l_c, acc_c,
+        Hkv, T, Tc, NT, w, scale,
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
+        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
+        JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
+        CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
+        WCH: tl.constexpr, BN: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        part = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        pos = _load_pos(pos_ptr, b, T)
+        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
+        if part < SPLITS:
+            n_vis = _n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE)
+            n_tiles = tl.cdiv(n_vis, BCL)
+            per = tl.cdiv(n_tiles, SPLITS)
+            g = tl.arange(0, ROWS)
+            dk = tl.arange(0, DKP)
+            dv = tl.arange(0, DVP)
+            cc = tl.arange(0, BC)
+            # Fold weights: entry c of a tile covers chunks c .. c+M-1, block j of it chunks jR .. jR+R-1.
+            jj = tl.arange(0, JSP)
+            wt = tl.minimum(cc[:, None] + M_CMP, jj[None, :] * R + R) - tl.maximum(cc[:, None], jj[None, :] * R)
+            wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < JS), tl.maximum(wt, 0), 0).to(tl.float32)
+            m, l, acc = _flash_init(ROWS, DVP)
+            # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
+            k_base = kc_ptr + b * sk_b + h * sk_h
+            v_base = vc_ptr + b * sv_b + h * sv_h
+            for t in range(part * per, tl.minimum(part * per + per, n_tiles)):
+                c0 = t * BCL
+                ok = (cc < BCL) & (c0 + cc < n_vis)
+                k_ptrs = k_base + c0.to(tl.int64) * sk_t + cc[None, :] * sk_t + dk[:, None]
+                v_ptrs = v_base + c0.to(tl.int64) * sv_t + cc[:, None] * sv_t + dv[None, :]
+                m, l, acc, p = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
+                                           ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
+                                           F32_DOT, IEEE)
+                folded = tl.dot(p, wt, input_precision="ieee")
+                row = (bh * NT + t).to(tl.int64) * G
+                tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
+                         mask=(g[:, None] < G) & (jj[None, :] < JS))
+                tl.store(mt_ptr + row + g, m, mask=g < G)
+            _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
+        else:
+            chunk = part - SPLITS
+            start = pos - w + 1 + chunk * WCH
+            m, l, acc = _attend_range(q_rd, kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h,
+                                      skw_t, svw_t, tl.maximum(start, 0), tl.minimum(start + WCH, pos + 1), scale,
+                                      ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+            _store_partial(m_c, l_c, acc_c, bh * (N + NW) + N + chunk, m, l, acc, ROWS, DVP)
+
+    @triton.jit
+    def _importance_kernel(
+        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, imp_ptr, Hkv, T, Tc, NT, NTI, NSI,
+        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
+        TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
+        BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        t0 = tl.program_id(1) * TI
+        pos = _load_pos(pos_ptr, bh // Hkv, T)
+        n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
+        # Every block up to NTI tiles is written, zeros where nothing is visible (a tile's entries
+        # also reach the first blocks of the next tile).
+        g = tl.arange(0, GP)
+        sp = tl.arange(0, SPP)
+        # lse of each row from A's partials.
+        part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
+        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
+        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0)
+        m_g = tl.max(m_sg, axis=0)
+        m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
+        den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
+        lse = m_g + tl.log(tl.where(den > 0, den, 1.0))
+        i = tl.arange(0, TI * JTP)
+        t = t0 + i // JTP
+        col = i % JTP
+        imp = tl.zeros([TI * JTP], tl.float32)
+        for kk in tl.static_range(KB):
+            # Tile t - kk's column col + kk*JT falls on block t*JT + col.
+            src = t - kk
+            t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
+            row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
+            ok = (g[:, None] < G) & t_ok[None, :]
+            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
+            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
+            imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
+        j = t * JT + col
+        tl.store(imp_ptr + bh * NSI + j, imp, mask=(col < JT) & (t < NTI))
+
+    @triton.jit
+    def _sel_keys(imp_ptr, bh, j, own, NS, NSI, NTJ, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
+        """The selection keys of blocks j: score bits above the reversed block id, -1 where not valid.
+        No compressed entry reaches blocks from NTJ on: importance 0."""
+        valid = (j <= own) & (j < NS)
+        imp = tl.load(imp_ptr + bh * NSI + j, mask=valid & (j < NTJ), other=0.0)
+        forced = valid & ((j < N_INIT) | (j > own - N_LOCAL))
+        score = tl.where(forced, float("inf"), imp)
+        # Importance is >= 0, so its int32 bits order like the value; the reversed id below
+        # makes keys unique with ties to the lower block id.
+        key = score.to(tl.int32, bitcast=True).to(tl.int64) * 4294967296 + (NS - 1 - j)
+        return tl.where(valid, key, -1)
+
+    @triton.jit
+    def _rank_kernel(
+        imp_ptr, pos_ptr, blocks_ptr, Hkv, T, NS, NSI, NTJ,
+        RB: tl.constexpr, CB: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+        SEL_BLOCK: tl.constexpr,
+    ):
+        """Top n by rank: a block's rank is the number of valid blocks with a larger key, so the
+        blocks of rank < n go to their slot at once, with no sequential passes of max."""
+        bh = tl.program_id(0)
+        j0 = tl.program_id(1) * RB
+        pos = _load_pos(pos_ptr, bh // Hkv, T)
+        own = pos // SEL_BLOCK
+        n_valid = tl.minimum(own + 1, NS)
+        if j0 == 0:
+            slot = tl.arange(0, NP)
+            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= n_valid) & (slot < N))
+        if j0 < n_valid:
+            j = j0 + tl.arange(0, RB)
+            key = _sel_keys(imp_ptr, bh, j, own, NS, NSI, NTJ, N_INIT, N_LOCAL)
+            rank = tl.zeros([RB], tl.int32)
+            for c0 in range(0, n_valid, CB):
+                other = _sel_keys(imp_ptr, bh, c0 + tl.arange(0, CB), own, NS, NSI, NTJ, N_INIT,
+                                  N_LOCAL)
+                rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
+            tl.store(blocks_ptr + bh * N + rank, j, mask=(key >= 0) & (rank < N))
+
+    @triton.jit
+    def _sel_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
+        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        part = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        pos = _load_pos(pos_ptr, b, T)
+        blk = tl.load(blocks_ptr + bh * N + part)
+        lo = tl.maximum(blk, 0) * SEL_BLOCK
+        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
+        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
+        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
+                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
@@ -357,6 +417,7 @@ if HAS_TRITON:
         o_sel = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, 0, N, NPP, ROWS, DVP)
         o_win = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, N, NP, NPP, ROWS, DVP)
         gate = gates_ptr + (bh * G + g) * 3
-        o = tl.load(gate) * o_cmp + tl.load(gate + 1) * o_sel + tl.load(gate + 2) * o_win
+        o = (tl.load(gate).to(tl.float32) * o_cmp + tl.load(gate + 1).to(tl.float32) * o_sel
+             + tl.load(gate + 2).to(tl.float32) * o_win)
         dv = tl.arange(0, DVP)
         tl.store(o_ptr + (bh * G + g) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
