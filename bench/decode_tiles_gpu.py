@@ -36,16 +36,10 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         "splits_half": {"SPLITS": max(1, splits // 2)},
         "splits_quarter": {"SPLITS": max(1, splits // 4)},
         "bc32": {"BC": 32},
-        "stages1": {"num_stages": 1},
         "warps2": {"num_warps": 2},
         "ti1": {"TI": 1},
         "ti2": {"TI": 2},
         "ti8": {"TI": 8},
-        "rb8": {"RB": 8},
-        "rb32": {"RB": 32},
-        "cb128": {"CB": 128},
-        "cb512": {"CB": 512},
-        "rb32_cb128": {"RB": 32, "CB": 128},
     }
 
 

@@ -172,8 +172,9 @@ def test_kernels_interpreted_one_split_per_tile():
     # Several splits of kernel A, tiles of four selection blocks (folds spilling into the next tile), empty splits.
     cfg, T = CONFIGS["g16-paper"]
     check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "SPLITS": 7})
-    # Small importance and rank programs: two tiles each, ranks against 8 blocks at a time, n > RB.
-    check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "TI": 2, "RB": 4, "CB": 8})
+    # Importance programs of two tiles; tiles of 4 blocks, fewer than n = 16: the rank kernel's
+    # top tiles hold more blocks than it selects.
+    check_kernels(cfg, T, [1023, 100, 700], torch.float32, "cpu", tiles={"BC": 16, "TI": 2})
 
 
 @interpreter
@@ -189,6 +190,12 @@ def test_kernels_interpreted_block_past_the_tiles():
     inputs[0] = 2 * inputs[5][:, :, 63:64].expand_as(inputs[0])
     blocks = check_kernels(no_local, 1040, [1039, 1039], torch.float32, "cpu", tiles={"BC": 16}, inputs=inputs)
     assert (blocks == 16).any(dim=-1).all(), "the block past the tiles must be chosen"
+    # l = d and T % d != 0: tokens 1024..1028 are in no compressed entry; block 32 (the query's
+    # own) has importance 0 and is chosen since n covers every valid block.
+    uncovered = NSAConfig(n_heads=4, n_kv_heads=1, head_dim=32, cmp_block=16, cmp_stride=16, sel_block=32,
+                          n_selected=40, n_initial=1, n_local=0, window=32)
+    blocks = check_kernels(uncovered, 1029, [1028, 1027], torch.float32, "cpu")
+    assert (blocks == 32).any(dim=-1).all()
 
 
 @interpreter

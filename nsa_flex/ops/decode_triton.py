@@ -51,7 +51,7 @@ _TARGET_PROGRAMS = 1024
 B=8, 64k, four times the splits of 256 took the op from 82 to 78 us; at B=1 the split count is
 capped by the tiles anyway (bench/results/2026-11-22_h200_decode_tiles.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "RB", "CB", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -66,13 +66,13 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     """Tile sizes: BC compressed-entry lanes per tile of A (a tile uses R * (BC // R) of them),
     SPLITS of A, BN tokens per tile of C and of A's window programs, WCH window tokens per
     window program (one selection block's worth, so selection and window programs do equal
-    work); TI tiles per importance program, RB blocks ranked per program against CB at a time."""
+    work); TI tiles per importance program."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
             "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "RB": 16, "CB": 256, "num_warps": 4, "num_stages": 2}
+            "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -114,12 +114,14 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
     fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
     m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
-    # Importance per selection block, over the NT tiles' blocks and the next KB - 1 tiles' (where
-    # the last tile's entries reach); the rank kernel reads 0 past them.
+    # Selection keys of the blocks of the NT tiles, of the next KB - 1 (where the last tile's
+    # entries reach) and of any block up to NS (tokens no entry covers yet), and each tile's
+    # largest key.
     KB = 1 + _cdiv(JS - JT, JT)
-    NTI = NT + KB - 1
-    NSI = max(NS, NTI * JT)
-    imp = torch.empty((BH, NSI), dtype=f32, device=dev)
+    NTI = max(NT + KB - 1, _cdiv(NS, JT))
+    NSI = NTI * JT
+    keys = torch.empty((BH, NSI), dtype=torch.int64, device=dev)
+    tile_max = torch.empty((BH, NTI), dtype=torch.int64, device=dev)
     m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
@@ -135,16 +137,16 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
-    TI, RB = cfg["TI"], cfg["RB"]
+    TI = cfg["TI"]
     wrap_triton(_importance_kernel)[(BH, _cdiv(NTI, TI))](
-        fold, m_tile, m_a, l_a, pos, imp, Hkv, T, Tc, NT, NTI, NSI,
+        fold, m_tile, m_a, l_a, pos, keys, tile_max, Hkv, T, Tc, NS, NT, NTI, NSI,
         G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
-        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block,
-        CMP_STRIDE=config.cmp_stride, SEL_BLOCK=config.sel_block, num_warps=4,
+        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=4,
     )
-    wrap_triton(_rank_kernel)[(BH, _cdiv(NS, RB))](
-        imp, pos, blocks, Hkv, T, NS, NSI, NTI * JT, RB=RB, CB=cfg["CB"], N=N, NP=_next_pow2(N), N_INIT=config.n_initial,
-        N_LOCAL=config.n_local, SEL_BLOCK=config.sel_block, num_warps=4,
+    wrap_triton(_rank_kernel)[(BH, NTI)](
+        keys, tile_max, pos, blocks, Hkv, T, NSI, NTI, NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N,
+        NP=_next_pow2(N), SEL_BLOCK=config.sel_block, num_warps=4,
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
@@ -293,11 +295,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _importance_kernel(
-        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, imp_ptr, Hkv, T, Tc, NT, NTI, NSI,
+        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, key_ptr, tmax_ptr, Hkv, T, Tc, NS, NT, NTI, NSI,
         G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
     ):
+        """Importance of the blocks of TI tiles, stored as selection keys, and each tile's largest key."""
         bh = tl.program_id(0)
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
@@ -328,14 +332,17 @@ if HAS_TRITON:
             folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
             imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
         j = t * JT + col
-        tl.store(imp_ptr + bh * NSI + j, imp, mask=(col < JT) & (t < NTI))
+        key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
+        key = tl.where(col < JT, key, -1)
+        tl.store(key_ptr + bh * NSI + j, key, mask=(col < JT) & (t < NTI))
+        tile_max = tl.max(tl.reshape(key, [TI, JTP]), axis=1)
+        ti = tl.program_id(1) * TI + tl.arange(0, TI)
+        tl.store(tmax_ptr + bh * NTI + ti, tile_max, mask=ti < NTI)
 
     @triton.jit
-    def _sel_keys(imp_ptr, bh, j, own, NS, NSI, NTJ, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
-        """The selection keys of blocks j: score bits above the reversed block id, -1 where not valid.
-        No compressed entry reaches blocks from NTJ on: importance 0."""
+    def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
+        """Selection keys of blocks j: score bits above the reversed block id, -1 where not valid."""
         valid = (j <= own) & (j < NS)
-        imp = tl.load(imp_ptr + bh * NSI + j, mask=valid & (j < NTJ), other=0.0)
         forced = valid & ((j < N_INIT) | (j > own - N_LOCAL))
         score = tl.where(forced, float("inf"), imp)
         # Importance is >= 0, so its int32 bits order like the value; the reversed id below
@@ -345,28 +352,38 @@ if HAS_TRITON:
 
     @triton.jit
     def _rank_kernel(
-        imp_ptr, pos_ptr, blocks_ptr, Hkv, T, NS, NSI, NTJ,
-        RB: tl.constexpr, CB: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+        key_ptr, tmax_ptr, pos_ptr, blocks_ptr, Hkv, T, NSI, NTI,
+        NTIP: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
         SEL_BLOCK: tl.constexpr,
     ):
-        """Top n by rank: a block's rank is the number of valid blocks with a larger key, so the
-        blocks of rank < n go to their slot at once, with no sequential passes of max."""
+        """Top n by rank, one program per tile of JT blocks. A block's rank is the number of
+        blocks with a larger key, and the blocks of rank < n go straight to their slot: no
+        sequential passes of max. Only the blocks of the n tiles with the largest maxima can be
+        in the top n (a tile outside them has n larger maxima above its own), so a program
+        ranks its blocks only if its tile is one of those, against their blocks only."""
         bh = tl.program_id(0)
-        j0 = tl.program_id(1) * RB
-        pos = _load_pos(pos_ptr, bh // Hkv, T)
-        own = pos // SEL_BLOCK
-        n_valid = tl.minimum(own + 1, NS)
-        if j0 == 0:
+        tile = tl.program_id(1)
+        own = _load_pos(pos_ptr, bh // Hkv, T) // SEL_BLOCK
+        if tile == 0:
             slot = tl.arange(0, NP)
-            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= n_valid) & (slot < N))
-        if j0 < n_valid:
-            j = j0 + tl.arange(0, RB)
-            key = _sel_keys(imp_ptr, bh, j, own, NS, NSI, NTJ, N_INIT, N_LOCAL)
-            rank = tl.zeros([RB], tl.int32)
-            for c0 in range(0, n_valid, CB):
-                other = _sel_keys(imp_ptr, bh, c0 + tl.arange(0, CB), own, NS, NSI, NTJ, N_INIT,
-                                  N_LOCAL)
-                rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
+            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
+        c = tl.arange(0, NTIP)
+        tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1)
+        mine = tl.load(tmax_ptr + bh * NTI + tile)
+        if (mine >= 0) & (tl.sum((tmax > mine).to(tl.int32), axis=0) < N):
+            # The top tiles, compacted: the tile of tile-rank s goes to slot s.
+            trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
+            top = (trank < N) & (tmax >= 0)
+            s = tl.arange(0, NP)
+            top_tile = tl.sum(tl.where((trank[None, :] == s[:, None]) & top[None, :], c[None, :], 0), axis=1)
+            has = tl.sum(((trank[None, :] == s[:, None]) & top[None, :]).to(tl.int32), axis=1) > 0
+            col = tl.arange(0, JTP)
+            other = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
+                            mask=has[:, None] & (col < JT)[None, :], other=-1)
+            other = tl.reshape(other, [NP * JTP])
+            j = tile * JT + col
+            key = tl.load(key_ptr + bh * NSI + j, mask=col < JT, other=-1)
+            rank = tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
             tl.store(blocks_ptr + bh * N + rank, j, mask=(key >= 0) & (rank < N))
 
     @triton.jit
