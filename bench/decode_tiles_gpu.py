@@ -32,14 +32,9 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        "splits_x2": {"SPLITS": splits * 2},
-        "splits_half": {"SPLITS": max(1, splits // 2)},
-        "splits_quarter": {"SPLITS": max(1, splits // 4)},
-        "bc32": {"BC": 32},
-        "warps2": {"num_warps": 2},
-        "ti1": {"TI": 1},
-        "ti2": {"TI": 2},
+        **{f"splits{n}": {"SPLITS": n} for n in (8, 12, 16, 24, 32, 48) if n != splits},
         "ti8": {"TI": 8},
+        "bn32": {"BN": 32, "WCH": 64},
     }
 
 

@@ -12,12 +12,15 @@ A  compressed split-K and window, grid (B*Hkv, SPLITS + window chunks). A compre
    (a tile's entries reach JS - BCL/R blocks into the next tile). A window program attends
    over one chunk of the last w tokens. Nothing of size G x Tc is written: the earlier design
    stored every score and a second kernel re-read them.
-B  selection, grid (B*Hkv,): lse of each row from A's partials; the importance of selection
-   block j = sum over rows g and the tiles t reaching j of exp(m_t[g] - lse[g]) P_t[g, j];
-   then the top n (n passes of max over int64 keys: score bits above the reversed block id,
-   the key of select_blocks_one, so ties go to the lower id; forced blocks score +inf, blocks
-   after the query's own are out). Writes the n block ids.
-C  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
+B  importance, grid (B*Hkv, tile groups): lse of each row from A's partials; the importance of
+   selection block j = sum over rows g and the tiles t reaching j of exp(m_t[g] - lse[g]) P_t[g, j],
+   stored as the selection key of select_blocks_one (score bits above the reversed block id, so
+   ties go to the lower id; forced blocks score +inf, blocks after the query's own are out),
+   and the largest key of each tile of JT = BC // R blocks.
+C  top n and the selected branch, grid (B*Hkv, tiles): a block's rank is the number of larger
+   keys, so the n blocks of rank < n go to their slots in parallel, with no passes of max; only
+   the n tiles with the largest maxima can hold them, so only their programs rank (against
+   those tiles' blocks) and attend over their chosen blocks' tokens <= pos.
 D  combine, grid (B*Hkv, G): merges A's compressed partials, C's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype.
 
@@ -26,8 +29,8 @@ as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded proba
 allocated per call, so under torch.compile it lives in the CUDA graph's pool. Work depends on
 pos (a tensor), never the grid: one graph serves every position.
 
-Limits: B holds the whole importance row of its sequence, next_pow2(T / l') keys (2048 at 128k
-tokens: 16 int64 per thread); far longer caches want a tiled top-n.
+Limits: a program of C compares every pair of tile maxima, next_pow2(T / l' / JT)^2 (128^2 at
+128k tokens, JT = 16); far longer caches want a two-level tile ranking.
 """
 
 from __future__ import annotations
@@ -114,11 +117,11 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
     fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
     m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
-    # Selection keys of the blocks of the NT tiles, of the next KB - 1 (where the last tile's
-    # entries reach) and of any block up to NS (tokens no entry covers yet), and each tile's
+    # Selection keys of every block up to NS, in tiles of JT (blocks past the NT tiles take the
+    # last tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet), and each tile's
     # largest key.
     KB = 1 + _cdiv(JS - JT, JT)
-    NTI = max(NT + KB - 1, _cdiv(NS, JT))
+    NTI = _cdiv(NS, JT)
     NSI = NTI * JT
     keys = torch.empty((BH, NSI), dtype=torch.int64, device=dev)
     tile_max = torch.empty((BH, NTI), dtype=torch.int64, device=dev)
@@ -144,14 +147,11 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=4,
     )
-    wrap_triton(_rank_kernel)[(BH, NTI)](
-        keys, tile_max, pos, blocks, Hkv, T, NSI, NTI, NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N,
-        NP=_next_pow2(N), SEL_BLOCK=config.sel_block, num_warps=4,
-    )
-    wrap_triton(_sel_kernel)[(BH, N)](
-        q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
+    wrap_triton(_rank_sel_kernel)[(BH, NTI)](
+        keys, tile_max, q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, NSI, NTI, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, **launch,
+        NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N, NP=_next_pow2(N), NW=NW,
+        SEL_BLOCK=config.sel_block, **dims, **dots, BN=BN, **launch,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o,
@@ -351,61 +351,61 @@ if HAS_TRITON:
         return tl.where(valid, key, -1)
 
     @triton.jit
-    def _rank_kernel(
-        key_ptr, tmax_ptr, pos_ptr, blocks_ptr, Hkv, T, NSI, NTI,
+    def _rank_sel_kernel(
+        key_ptr, tmax_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, NSI, NTI, scale,
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         NTIP: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-        SEL_BLOCK: tl.constexpr,
+        NW: tl.constexpr, SEL_BLOCK: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
+        DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr,
+        BN: tl.constexpr,
     ):
-        """Top n by rank, one program per tile of JT blocks. A block's rank is the number of
-        blocks with a larger key, and the blocks of rank < n go straight to their slot: no
-        sequential passes of max. Only the blocks of the n tiles with the largest maxima can be
-        in the top n (a tile outside them has n larger maxima above its own), so a program
-        ranks its blocks only if its tile is one of those, against their blocks only."""
+        """Top n by rank and the selected branch, one program per tile of JT blocks.
+
+        A block's rank is the number of blocks with a larger key; a block of rank r < n goes to
+        slot r, with no sequential passes of max. Only the blocks of the n tiles with the
+        largest maxima can be in the top n (a tile outside them has n larger maxima above its
+        own), so only those programs rank their blocks, against those tiles' blocks only. Each
+        then attends over its chosen blocks' tokens <= pos and writes slot r's flash partial.
+        """
         bh = tl.program_id(0)
         tile = tl.program_id(1)
-        own = _load_pos(pos_ptr, bh // Hkv, T) // SEL_BLOCK
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        pos = _load_pos(pos_ptr, b, T)
+        own = pos // SEL_BLOCK
         if tile == 0:
+            # Fewer valid blocks than slots: the rest hold -1 and an empty partial.
             slot = tl.arange(0, NP)
-            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
+            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot > own) & (slot < N))
+            for s in range(own + 1, N):
+                m, l, acc = _flash_init(ROWS, DVP)
+                _store_partial(m_c, l_c, acc_c, bh * (N + NW) + s, m, l, acc, ROWS, DVP)
         c = tl.arange(0, NTIP)
         tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1)
         mine = tl.load(tmax_ptr + bh * NTI + tile)
         if (mine >= 0) & (tl.sum((tmax > mine).to(tl.int32), axis=0) < N):
             # The top tiles, compacted: the tile of tile-rank s goes to slot s.
             trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
-            top = (trank < N) & (tmax >= 0)
-            s = tl.arange(0, NP)
-            top_tile = tl.sum(tl.where((trank[None, :] == s[:, None]) & top[None, :], c[None, :], 0), axis=1)
-            has = tl.sum(((trank[None, :] == s[:, None]) & top[None, :]).to(tl.int32), axis=1) > 0
+            at_s = (trank[None, :] == tl.arange(0, NP)[:, None]) & ((trank < N) & (tmax >= 0))[None, :]
+            top_tile = tl.sum(tl.where(at_s, c[None, :], 0), axis=1)
+            has = tl.sum(at_s.to(tl.int32), axis=1) > 0
             col = tl.arange(0, JTP)
             other = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
                             mask=has[:, None] & (col < JT)[None, :], other=-1)
             other = tl.reshape(other, [NP * JTP])
-            j = tile * JT + col
-            key = tl.load(key_ptr + bh * NSI + j, mask=col < JT, other=-1)
+            key = tl.load(key_ptr + bh * NSI + tile * JT + col, mask=col < JT, other=-1)
             rank = tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
-            tl.store(blocks_ptr + bh * N + rank, j, mask=(key >= 0) & (rank < N))
-
-    @triton.jit
-    def _sel_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
-    ):
-        bh = tl.program_id(0)
-        part = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        pos = _load_pos(pos_ptr, b, T)
-        blk = tl.load(blocks_ptr + bh * N + part)
-        lo = tl.maximum(blk, 0) * SEL_BLOCK
-        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
-        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
-                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
-        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
+            chosen = (key >= 0) & (rank < N)
+            tl.store(blocks_ptr + bh * N + rank, tile * JT + col, mask=chosen)
+            q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
+            for cc in range(0, JT):
+                if tl.sum((chosen & (col == cc)).to(tl.int32), axis=0) > 0:
+                    r = tl.sum(tl.where(col == cc, rank, 0), axis=0)
+                    lo = (tile * JT + cc) * SEL_BLOCK
+                    m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h,
+                                              sk_t, sv_t, lo, tl.minimum(lo + SEL_BLOCK, pos + 1), scale,
+                                              ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+                    _store_partial(m_c, l_c, acc_c, bh * (N + NW) + r, m, l, acc, ROWS, DVP)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
