@@ -32,7 +32,7 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        **{f"splits{n}": {"SPLITS": n} for n in (8, 12, 16, 24, 32, 48) if n != splits},
+        **{f"splits{n}": {"SPLITS": n} for n in (16, 32, 64) if n != splits},
         "ti8": {"TI": 8},
         "bn32": {"BN": 32, "WCH": 64},
     }

@@ -1,4 +1,4 @@
-"""The Triton kernels behind nsa_flex::decode_attend: one query token per sequence, four launches.
+"""The Triton kernels behind nsa_flex::decode_attend: one query token per sequence, five launches.
 
 The G query heads of a kv head share its keys and its selection, so every program takes them
 as the rows of one tile ([G', D], G' = G rounded up to a power of two, at least 16 for tl.dot).
@@ -17,11 +17,13 @@ B  importance, grid (B*Hkv, tile groups): lse of each row from A's partials; the
    stored as the selection key of select_blocks_one (score bits above the reversed block id, so
    ties go to the lower id; forced blocks score +inf, blocks after the query's own are out),
    and the largest key of each tile of JT = BC // R blocks.
-C  top n and the selected branch, grid (B*Hkv, tiles): a block's rank is the number of larger
-   keys, so the n blocks of rank < n go to their slots in parallel, with no passes of max; only
-   the n tiles with the largest maxima can hold them, so only their programs rank (against
-   those tiles' blocks) and attend over their chosen blocks' tokens <= pos.
-D  combine, grid (B*Hkv, G): merges A's compressed partials, C's selected and A's window
+C  top n, grid (B*Hkv, tiles): a block's rank is the number of larger keys, so the n blocks of
+   rank < n go to their slots in parallel, with no passes of max; only the n tiles with the
+   largest maxima can hold them, so only their programs rank, against those tiles' blocks.
+   (Folding the selected branch into these programs made C 13.6 us against 5.6 + 3.1 at B=1,
+   64k: bench/results/2026-11-22_h200_decode_tiles_v4_fused_rank_sel.json.)
+S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
+D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype.
 
 Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
@@ -49,10 +51,11 @@ try:
 except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its torch twin
     HAS_TRITON = False
 
-_TARGET_PROGRAMS = 1024
-"""Kernel A programs to aim for (about eight per SM on an H100/H200): sets the split count. At
-B=8, 64k, four times the splits of 256 took the op from 82 to 78 us; at B=1 the split count is
-capped by the tiles anyway (bench/results/2026-11-22_h200_decode_tiles.json)."""
+_TARGET_PROGRAMS = 512
+"""Kernel A programs to aim for (about four per SM on an H100/H200): sets the split count. At
+B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per program against the
+partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
+(bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "num_warps", "num_stages")
 
@@ -147,11 +150,14 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=4,
     )
-    wrap_triton(_rank_sel_kernel)[(BH, NTI)](
-        keys, tile_max, q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, NSI, NTI, scale,
+    wrap_triton(_rank_kernel)[(BH, NTI)](
+        keys, tile_max, pos, blocks, Hkv, T, NSI, NTI, NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N,
+        NP=_next_pow2(N), SEL_BLOCK=config.sel_block, num_warps=4,
+    )
+    wrap_triton(_sel_kernel)[(BH, N)](
+        q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N, NP=_next_pow2(N), NW=NW,
-        SEL_BLOCK=config.sel_block, **dims, **dots, BN=BN, **launch,
+        **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, **launch,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o,
@@ -351,61 +357,61 @@ if HAS_TRITON:
         return tl.where(valid, key, -1)
 
     @triton.jit
-    def _rank_sel_kernel(
-        key_ptr, tmax_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, NSI, NTI, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+    def _rank_kernel(
+        key_ptr, tmax_ptr, pos_ptr, blocks_ptr, Hkv, T, NSI, NTI,
         NTIP: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-        NW: tl.constexpr, SEL_BLOCK: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
-        DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr,
-        BN: tl.constexpr,
+        SEL_BLOCK: tl.constexpr,
     ):
-        """Top n by rank and the selected branch, one program per tile of JT blocks.
-
-        A block's rank is the number of blocks with a larger key; a block of rank r < n goes to
-        slot r, with no sequential passes of max. Only the blocks of the n tiles with the
-        largest maxima can be in the top n (a tile outside them has n larger maxima above its
-        own), so only those programs rank their blocks, against those tiles' blocks only. Each
-        then attends over its chosen blocks' tokens <= pos and writes slot r's flash partial.
-        """
+        """Top n by rank, one program per tile of JT blocks. A block's rank is the number of
+        blocks with a larger key, and the blocks of rank < n go straight to their slot: no
+        sequential passes of max. Only the blocks of the n tiles with the largest maxima can be
+        in the top n (a tile outside them has n larger maxima above its own), so a program
+        ranks its blocks only if its tile is one of those, against their blocks only."""
         bh = tl.program_id(0)
         tile = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        pos = _load_pos(pos_ptr, b, T)
-        own = pos // SEL_BLOCK
+        own = _load_pos(pos_ptr, bh // Hkv, T) // SEL_BLOCK
         if tile == 0:
-            # Fewer valid blocks than slots: the rest hold -1 and an empty partial.
             slot = tl.arange(0, NP)
-            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot > own) & (slot < N))
-            for s in range(own + 1, N):
-                m, l, acc = _flash_init(ROWS, DVP)
-                _store_partial(m_c, l_c, acc_c, bh * (N + NW) + s, m, l, acc, ROWS, DVP)
+            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
         c = tl.arange(0, NTIP)
         tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1)
         mine = tl.load(tmax_ptr + bh * NTI + tile)
         if (mine >= 0) & (tl.sum((tmax > mine).to(tl.int32), axis=0) < N):
             # The top tiles, compacted: the tile of tile-rank s goes to slot s.
             trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
-            at_s = (trank[None, :] == tl.arange(0, NP)[:, None]) & ((trank < N) & (tmax >= 0))[None, :]
-            top_tile = tl.sum(tl.where(at_s, c[None, :], 0), axis=1)
-            has = tl.sum(at_s.to(tl.int32), axis=1) > 0
+            top = (trank < N) & (tmax >= 0)
+            s = tl.arange(0, NP)
+            top_tile = tl.sum(tl.where((trank[None, :] == s[:, None]) & top[None, :], c[None, :], 0), axis=1)
+            has = tl.sum(((trank[None, :] == s[:, None]) & top[None, :]).to(tl.int32), axis=1) > 0
             col = tl.arange(0, JTP)
             other = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
                             mask=has[:, None] & (col < JT)[None, :], other=-1)
             other = tl.reshape(other, [NP * JTP])
-            key = tl.load(key_ptr + bh * NSI + tile * JT + col, mask=col < JT, other=-1)
+            j = tile * JT + col
+            key = tl.load(key_ptr + bh * NSI + j, mask=col < JT, other=-1)
             rank = tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
-            chosen = (key >= 0) & (rank < N)
-            tl.store(blocks_ptr + bh * N + rank, tile * JT + col, mask=chosen)
-            q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-            for cc in range(0, JT):
-                if tl.sum((chosen & (col == cc)).to(tl.int32), axis=0) > 0:
-                    r = tl.sum(tl.where(col == cc, rank, 0), axis=0)
-                    lo = (tile * JT + cc) * SEL_BLOCK
-                    m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h,
-                                              sk_t, sv_t, lo, tl.minimum(lo + SEL_BLOCK, pos + 1), scale,
-                                              ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
-                    _store_partial(m_c, l_c, acc_c, bh * (N + NW) + r, m, l, acc, ROWS, DVP)
+            tl.store(blocks_ptr + bh * N + rank, j, mask=(key >= 0) & (rank < N))
+
+    @triton.jit
+    def _sel_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
+        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        part = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        pos = _load_pos(pos_ptr, b, T)
+        blk = tl.load(blocks_ptr + bh * N + part)
+        lo = tl.maximum(blk, 0) * SEL_BLOCK
+        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
+        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
+        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
+                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
