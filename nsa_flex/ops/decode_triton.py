@@ -17,10 +17,9 @@ B  importance, grid (B*Hkv, tile groups): lse of each row from A's partials; the
    stored as the selection key of select_blocks_one (score bits above the reversed block id, so
    ties go to the lower id; forced blocks score +inf, blocks after the query's own are out),
    and the largest key of each tile of JT = BC // R blocks.
-C  top n, grid (B*Hkv, n): a block's rank is the number of larger keys, so the n blocks of
+C  top n, grid (B*Hkv, tiles): a block's rank is the number of larger keys, so the n blocks of
    rank < n go to their slots in parallel, with no passes of max; only the n tiles with the
-   largest maxima can hold them, so program s ranks the tile of tile-rank s, against those
-   tiles' blocks.
+   largest maxima can hold them, so only their programs rank, against those tiles' blocks.
    (Folding the selected branch into these programs made C 13.6 us against 5.6 + 3.1 at B=1,
    64k: bench/results/2026-11-22_h200_decode_tiles_v4_fused_rank_sel.json.)
 S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
@@ -151,7 +150,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=4,
     )
-    wrap_triton(_rank_kernel)[(BH, N)](
+    wrap_triton(_rank_kernel)[(BH, NTI)](
         keys, tile_max, pos, blocks, Hkv, T, NSI, NTI, NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N,
         NP=_next_pow2(N), SEL_BLOCK=config.sel_block, num_warps=4,
     )
@@ -363,26 +362,27 @@ if HAS_TRITON:
         NTIP: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
         SEL_BLOCK: tl.constexpr,
     ):
-        """Top n by rank. A block's rank is the number of blocks with a larger key, and the
-        blocks of rank < n go straight to their slot: no sequential passes of max. Only the
-        blocks of the n tiles with the largest maxima can be in the top n (a tile outside them
-        has n larger maxima above its own), so program s ranks the blocks of the tile of
-        tile-rank s, against those n tiles' blocks only."""
+        """Top n by rank, one program per tile of JT blocks. A block's rank is the number of
+        blocks with a larger key, and the blocks of rank < n go straight to their slot: no
+        sequential passes of max. Only the blocks of the n tiles with the largest maxima can be
+        in the top n (a tile outside them has n larger maxima above its own), so a program
+        ranks its blocks only if its tile is one of those, against their blocks only."""
         bh = tl.program_id(0)
-        s = tl.program_id(1)
+        tile = tl.program_id(1)
         own = _load_pos(pos_ptr, bh // Hkv, T) // SEL_BLOCK
-        slot = tl.arange(0, NP)
-        if s == 0:
+        if tile == 0:
+            slot = tl.arange(0, NP)
             tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
         c = tl.arange(0, NTIP)
         tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1)
-        # The top tiles, compacted: the tile of tile-rank r goes to slot r.
-        trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
-        at_slot = (trank[None, :] == slot[:, None]) & ((trank < N) & (tmax >= 0))[None, :]
-        top_tile = tl.sum(tl.where(at_slot, c[None, :], 0), axis=1)
-        has = tl.sum(at_slot.to(tl.int32), axis=1) > 0
-        if tl.sum((has & (slot == s)).to(tl.int32), axis=0) > 0:
-            tile = tl.sum(tl.where(slot == s, top_tile, 0), axis=0)
+        mine = tl.load(tmax_ptr + bh * NTI + tile)
+        if (mine >= 0) & (tl.sum((tmax > mine).to(tl.int32), axis=0) < N):
+            # The top tiles, compacted: the tile of tile-rank s goes to slot s.
+            trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
+            top = (trank < N) & (tmax >= 0)
+            s = tl.arange(0, NP)
+            top_tile = tl.sum(tl.where((trank[None, :] == s[:, None]) & top[None, :], c[None, :], 0), axis=1)
+            has = tl.sum(((trank[None, :] == s[:, None]) & top[None, :]).to(tl.int32), axis=1) > 0
             col = tl.arange(0, JTP)
             other = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
                             mask=has[:, None] & (col < JT)[None, :], other=-1)
