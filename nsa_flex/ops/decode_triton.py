@@ -20,8 +20,9 @@ B  importance, grid (B*Hkv, tile groups): lse of each row from A's partials; the
 C  top n, grid (B*Hkv, tiles): a block's rank is the number of larger keys, so the n blocks of
    rank < n go to their slots in parallel, with no passes of max; only the n tiles with the
    largest maxima can hold them, so only their programs rank, against those tiles' blocks.
-   (Folding the selected branch into these programs made C 13.6 us against 5.6 + 3.1 at B=1,
-   64k: bench/results/2026-11-22_h200_decode_tiles_v4_fused_rank_sel.json.)
+   Measured and dropped: the selected branch folded into these programs (C 13.6 us against
+   5.6 + 3.1 at B=1, 64k: ..._decode_tiles_v4_fused_rank_sel.json); a grid of n programs, each
+   finding its tile among all maxima (194 us at B=8, 128k: ..._decode_tiles_v4_rank_by_slot.json).
 S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype.
