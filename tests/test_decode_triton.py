@@ -482,3 +482,15 @@ def test_phi_step_refuses_another_phi():
     phi.mlp[1] = torch.nn.GELU(approximate="tanh")
     with pytest.raises(ValueError, match="phi.mlp = Linear, GELU \\(exact\\), Linear"):
         phi_step(phi, tail, cmp, pos, cfg.cmp_block, cfg.cmp_stride)
+
+
+@pytest.mark.parametrize("tiles, message", [
+    ({"BS": 4}, "unknown decode tile keys \\['BS'\\]"),
+    ({"BC": 48}, "must be a power of two"),
+    ({"BC": 2}, "must be a power of two >= l'/d = 4"),
+])
+def test_bad_tiles(tiles, message):
+    # Checked before anything launches: the error names the key or the rule.
+    cfg, args = _op_args(name="g16-paper")
+    with pytest.raises(ValueError, match=message):
+        decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg, tiles)
