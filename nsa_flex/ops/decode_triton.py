@@ -84,7 +84,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
                          tiles: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches A-D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
+    """Launches A, B, C, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
 
     tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
     Triton interpreter (tests): there tl.dot runs in fp32, since the interpreter's dot misreads
