@@ -34,7 +34,9 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         "default": {},
         **{f"splits{n}": {"SPLITS": n} for n in (16, 32, 64) if n != splits},
         "ti8": {"TI": 8},
-        "bn32": {"BN": 32, "WCH": 64},
+        "ti16": {"TI": 16},
+        "bc128": {"BC": 128},
+        "stages3": {"num_stages": 3},
     }
 
 

@@ -20,7 +20,7 @@ import torch
 
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.cache import NSACache
-from nsa_flex.ops import decode_attend, decode_attend_torch, phi_step
+from nsa_flex.ops import cache_step, decode_attend, decode_attend_torch, phi_step
 # Re-exported: the selection rule of one decode query, now the op's torch twin.
 from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
 
@@ -128,20 +128,31 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     cfg = cache.config
     B, Hkv, G = pr.q.shape[0], cfg.n_kv_heads, cfg.group_size
     pos_b = cache.lengths
-    _write_token(cache, pr, pos_b)
-    _update_compressed(cache, pos_b, phi_k, phi_v)
+    match impl:
+        case "op":
+            _write_and_compress(cache, pr, pos_b, phi_k, phi_v)
+        case "torch":
+            _write_token(cache, pr, pos_b)
+            _update_compressed(cache, pos_b, phi_k, phi_v)
+        case _:
+            raise ValueError(f"unknown decode impl {impl!r}; allowed: 'op', 'torch'")
     # Query head h belongs to kv head h // G: [B,1,Hq,Dk] -> [B,Hkv,G,Dk].
     args = (pr.q.reshape(B, Hkv, G, cfg.head_dim), cache.k, cache.v, cache.k_win, cache.v_win, cache.k_cmp,
             cache.v_cmp, pos_b, gates_b1h3.reshape(B, Hkv, G, 3))
-    match impl:
-        case "op":
-            o_bhgd, blocks_bhn = decode_attend(*args, cfg)
-        case "torch":
-            o_bhgd, blocks_bhn = decode_attend_torch(*args, cfg)
-        case _:
-            raise ValueError(f"unknown decode impl {impl!r}; allowed: 'op', 'torch'")
+    o_bhgd, blocks_bhn = (decode_attend if impl == "op" else decode_attend_torch)(*args, cfg)
     cache.lengths.add_(1)
     return o_bhgd.reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
+
+
+def _write_and_compress(cache: NSACache, pr: Projected, pos_b: torch.Tensor, phi_k, phi_v) -> None:
+    """The token's writes and phi where a block completes, as one op (nsa_flex::cache_step: one
+    launch on CUDA); the same as _write_token + _update_compressed."""
+    separate = cache.config.separate_kv
+    tokens = (pr.k_sel[:, 0], pr.v_sel[:, 0], pr.k_win[:, 0] if separate else None,
+              pr.v_win[:, 0] if separate else None, pr.k_cmp[:, 0], pr.v_cmp[:, 0])
+    caches = (cache.k, cache.v, cache.k_win if separate else None, cache.v_win if separate else None, cache.k_tail,
+              cache.v_tail, cache.k_cmp, cache.v_cmp)
+    cache_step(tokens, caches, pos_b, phi_k, phi_v, cache.config.cmp_block, cache.config.cmp_stride)
 
 
 def _write_token(cache: NSACache, pr: Projected, pos_b: torch.Tensor) -> None:

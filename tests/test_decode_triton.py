@@ -494,3 +494,84 @@ def test_bad_tiles(tiles, message):
     cfg, args = _op_args(name="g16-paper")
     with pytest.raises(ValueError, match=message):
         decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg, tiles)
+
+
+# ---------------------------------------------------------------- nsa_flex::cache_step
+
+def _cache_step_case(dtype, separate: bool, device="cpu", D=32, B=5):
+    """An NSACache of random contents, one token per sequence at positions around block completions."""
+    cfg = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=D, cmp_block=32, cmp_stride=16, separate_kv=separate)
+    phi_k, phi_v = _phi_case(dtype, D=D)[1], _phi_case(dtype, D=D, seed=1)[1]
+    cache = NSACache(cfg, B, 200, dtype=dtype)
+    for buf in cache.buffers():
+        if buf.is_floating_point():
+            buf.normal_()
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    pos = torch.tensor([l - 2, l - 1, l + d - 1, l + d, 199][:B])
+    tokens = tuple(None if (i in (2, 3) and not separate) else torch.randn(B, 2, D).to(dtype) for i in range(6))
+    return cfg, cache.to(device), tuple(x if x is None else x.to(device) for x in tokens), pos.to(device), \
+        phi_k.to(device), phi_v.to(device)
+
+
+def _caches(cache: NSACache, separate: bool):
+    return (cache.k, cache.v, cache.k_win if separate else None, cache.v_win if separate else None, cache.k_tail,
+            cache.v_tail, cache.k_cmp, cache.v_cmp)
+
+
+def _check_cache_step(dtype, separate: bool, device: str):
+    """The kernel (the op on CUDA, _cache_step_triton under the interpreter) against the twin
+    (the op's body on the CPU): every write exact, each completed entry within a rounding of
+    phi, nothing else touched."""
+    from nsa_flex.ops.cache_step import _cache_step_impl, _cache_step_triton
+    from nsa_flex.ops.phi_step import phi_params
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(dtype, separate, device, D=32 if device == "cpu" else 128)
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    names = ("k", "v", "k_win", "v_win", "k_tail", "v_tail", "k_cmp", "v_cmp")
+    before = _caches(cache, separate)
+    params = [p if p is None else p.detach() for p in (*phi_params(phi_k), *phi_params(phi_v))]
+    on_cpu = lambda xs: [x if x is None else x.cpu().clone() for x in xs]  # noqa: E731
+    want, got = on_cpu(before), [x if x is None else x.clone() for x in before]
+    with torch.no_grad():
+        _cache_step_impl(*on_cpu(tokens), *want, pos.cpu(), *on_cpu(params), l, d)
+        if device == "cpu":
+            _cache_step_triton(*tokens, *got, pos, params[:5], params[5:], l, d)
+        else:
+            torch.ops.nsa_flex.cache_step(*tokens, *got, pos, *params, l, d)
+    for name, g, w, b in zip(names, got, want, before):
+        if b is None:
+            continue
+        g, b = g.cpu(), b.cpu()
+        assert not torch.equal(w, b), f"{name}: the twin changed nothing"
+        if name in ("k_cmp", "v_cmp"):
+            tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps * w.abs().max().item()
+            assert (g.float() - w.float()).abs().max().item() <= tol, name
+            assert torch.equal(g != b, w != b), f"{name}: other entries touched"
+        else:
+            assert torch.equal(g, w), name
+
+
+# bf16 is left to the GPU test (see test_phi_step_kernel_equals_twin).
+@interpreter
+@pytest.mark.parametrize("separate", [False, True], ids=["shared-kv", "separate-kv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_cache_step_kernel_equals_twin(dtype, separate):
+    _check_cache_step(dtype, separate, "cpu")
+
+
+@gpu
+@pytest.mark.parametrize("separate", [False, True], ids=["shared-kv", "separate-kv"])
+def test_cache_step_kernel_on_gpu_equals_twin(separate):
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_cache_step(dtype, separate, "cuda")
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["shared-kv", "separate-kv"])
+def test_cache_step_opcheck(separate):
+    """nsa_flex::cache_step's registration: schema (the caches mutated, window ones optional), fake kernel."""
+    from nsa_flex.ops.phi_step import phi_params
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate)
+    params = [p.detach() if p is not None else None for p in (*phi_params(phi_k), *phi_params(phi_v))]
+    torch.library.opcheck(torch.ops.nsa_flex.cache_step.default,
+                          (*tokens, *_caches(cache, separate), pos, *params, cfg.cmp_block, cfg.cmp_stride))

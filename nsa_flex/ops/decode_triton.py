@@ -129,6 +129,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     NSI = NTI * JT
     keys = torch.empty((BH, NSI), dtype=torch.int64, device=dev)
     tile_max = torch.empty((BH, NTI), dtype=torch.int64, device=dev)
+    # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
+    arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
     m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
@@ -137,7 +139,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     wrap_triton(_cmp_win_kernel)[(BH, SPLITS + NW)](
-        q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c,
+        q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
@@ -146,14 +148,11 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     )
     TI = cfg["TI"]
     wrap_triton(_importance_kernel)[(BH, _cdiv(NTI, TI))](
-        fold, m_tile, m_a, l_a, pos, keys, tile_max, Hkv, T, Tc, NS, NT, NTI, NSI,
+        fold, m_tile, m_a, l_a, pos, keys, tile_max, arrived, blocks, Hkv, T, Tc, NS, NT, NTI, NSI,
         G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=4,
-    )
-    wrap_triton(_rank_kernel)[(BH, NTI)](
-        keys, tile_max, pos, blocks, Hkv, T, NSI, NTI, NTIP=_next_pow2(NTI), JT=JT, JTP=_next_pow2(JT), N=N,
-        NP=_next_pow2(N), SEL_BLOCK=config.sel_block, num_warps=4,
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, NTIP=_next_pow2(NTI), N=N,
+        NP=_next_pow2(N), num_warps=4,
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
@@ -248,7 +247,7 @@ if HAS_TRITON:
     @triton.jit
     def _cmp_win_kernel(
         q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a, m_c, l_c, acc_c,
-        Hkv, T, Tc, NT, w, scale,
+        arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
@@ -258,6 +257,9 @@ if HAS_TRITON:
     ):
         bh = tl.program_id(0)
         part = tl.program_id(1)
+        if part == 0:
+            # Kernels run in order, so B starts with every counter at zero.
+            tl.store(arrived_ptr + bh, 0)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
@@ -302,13 +304,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _importance_kernel(
-        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, key_ptr, tmax_ptr, Hkv, T, Tc, NS, NT, NTI, NSI,
-        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
+        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, key_ptr, tmax_ptr, arrived_ptr, blocks_ptr, Hkv, T, Tc, NS, NT, NTI,
+        NSI, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NTIP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     ):
-        """Importance of the blocks of TI tiles, stored as selection keys, and each tile's largest key."""
+        """Importance of the blocks of TI tiles, stored as selection keys, and each tile's largest
+        key; the last program of a kv head to finish then picks its top n (_top_n)."""
         bh = tl.program_id(0)
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
@@ -345,6 +348,12 @@ if HAS_TRITON:
         tile_max = tl.max(tl.reshape(key, [TI, JTP]), axis=1)
         ti = tl.program_id(1) * TI + tl.arange(0, TI)
         tl.store(tmax_ptr + bh * NTI + ti, tile_max, mask=ti < NTI)
+        # The last program of this kv head to get here sees every key (the barrier orders the
+        # program's stores before its count; acq_rel publishes them and acquires the others').
+        tl.debug_barrier()
+        done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, pos // SEL_BLOCK, NSI, NTI, NTIP, JT, JTP, N, NP)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -358,40 +367,34 @@ if HAS_TRITON:
         return tl.where(valid, key, -1)
 
     @triton.jit
-    def _rank_kernel(
-        key_ptr, tmax_ptr, pos_ptr, blocks_ptr, Hkv, T, NSI, NTI,
-        NTIP: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-        SEL_BLOCK: tl.constexpr,
-    ):
-        """Top n by rank, one program per tile of JT blocks. A block's rank is the number of
-        blocks with a larger key, and the blocks of rank < n go straight to their slot: no
-        sequential passes of max. Only the blocks of the n tiles with the largest maxima can be
-        in the top n (a tile outside them has n larger maxima above its own), so a program
-        ranks its blocks only if its tile is one of those, against their blocks only."""
-        bh = tl.program_id(0)
-        tile = tl.program_id(1)
-        own = _load_pos(pos_ptr, bh // Hkv, T) // SEL_BLOCK
-        if tile == 0:
-            slot = tl.arange(0, NP)
-            tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
+    def _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, own, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
+               JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+        """Top n of one kv head's keys by rank: a block's rank is the number of larger keys, and
+        the blocks of rank < n go straight to their slot (no sequential passes of max). Only
+        the blocks of the n tiles with the largest maxima can be in the top n (a tile outside
+        them has n larger maxima above its own), so those candidates are ranked against each
+        other only. Keys are read at L2 (.cg): other programs wrote them in this launch."""
+        slot = tl.arange(0, NP)
+        tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
         c = tl.arange(0, NTIP)
-        tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1)
-        mine = tl.load(tmax_ptr + bh * NTI + tile)
-        if (mine >= 0) & (tl.sum((tmax > mine).to(tl.int32), axis=0) < N):
-            # The top tiles, compacted: the tile of tile-rank s goes to slot s.
-            trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
-            top = (trank < N) & (tmax >= 0)
-            s = tl.arange(0, NP)
-            top_tile = tl.sum(tl.where((trank[None, :] == s[:, None]) & top[None, :], c[None, :], 0), axis=1)
-            has = tl.sum(((trank[None, :] == s[:, None]) & top[None, :]).to(tl.int32), axis=1) > 0
-            col = tl.arange(0, JTP)
-            other = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
-                            mask=has[:, None] & (col < JT)[None, :], other=-1)
-            other = tl.reshape(other, [NP * JTP])
-            j = tile * JT + col
-            key = tl.load(key_ptr + bh * NSI + j, mask=col < JT, other=-1)
-            rank = tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
-            tl.store(blocks_ptr + bh * N + rank, j, mask=(key >= 0) & (rank < N))
+        tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1, cache_modifier=".cg")
+        # The top tiles, compacted: the tile of tile-rank s goes to row s.
+        trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
+        at = (trank[None, :] == slot[:, None]) & ((trank < N) & (tmax >= 0))[None, :]
+        top_tile = tl.sum(tl.where(at, c[None, :], 0), axis=1)
+        has = tl.sum(at.to(tl.int32), axis=1) > 0
+        col = tl.arange(0, JTP)
+        cand = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
+                       mask=has[:, None] & (col < JT)[None, :], other=-1, cache_modifier=".cg")
+        flat = tl.reshape(cand, [NP * JTP])
+        # rank[i] = #candidates above candidate i, a row of candidates at a time ([NP*JTP, JTP]
+        # per step rather than one [NP*JTP, NP*JTP] comparison).
+        rank = tl.zeros([NP * JTP], tl.int32)
+        for s in range(NP):
+            row = tl.sum(tl.where(slot[:, None] == s, cand, 0), axis=0)
+            rank += tl.sum((row[None, :] > flat[:, None]).to(tl.int32), axis=1)
+        j = tl.reshape(top_tile[:, None] * JT + col[None, :], [NP * JTP])
+        tl.store(blocks_ptr + bh * N + rank, j, mask=(flat >= 0) & (rank < N))
 
     @triton.jit
     def _sel_kernel(

@@ -41,12 +41,16 @@ def phi_step(phi: nn.Module, tail: Tensor, cmp: Tensor, pos: Tensor, cmp_block: 
     last l un-rotated keys (or values), token p at slot p % l, the token at pos included;
     cmp [B, Hkv, Tmax, Dout] (updated in place); pos [B] int64.
     """
-    lin1, act, lin2 = phi.mlp
+    torch.ops.nsa_flex.phi_step(tail, cmp, pos, *phi_params(phi), cmp_block, cmp_stride)
+
+
+def phi_params(phi: nn.Module) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
+    """A Compressor's (pos_lxd, w1, b1, w2, b2), the ops' arguments; a clear error for any other module."""
+    lin1, act, lin2 = getattr(phi, "mlp", (None, None, None))
     if not (isinstance(lin1, nn.Linear) and isinstance(act, nn.GELU) and act.approximate == "none"
             and isinstance(lin2, nn.Linear)):
         raise ValueError("phi_step needs phi.mlp = Linear, GELU (exact), Linear (nsa_flex.compression.Compressor)")
-    torch.ops.nsa_flex.phi_step(tail, cmp, pos, phi.pos_lxd, lin1.weight, lin1.bias, lin2.weight, lin2.bias,
-                                cmp_block, cmp_stride)
+    return phi.pos_lxd, lin1.weight, lin1.bias, lin2.weight, lin2.bias
 
 
 def _phi_step_impl(tail: Tensor, cmp: Tensor, pos: Tensor, pos_enc: Tensor, w1: Tensor, b1: Optional[Tensor],
@@ -115,6 +119,15 @@ if decode_triton.HAS_TRITON:
         b = pid // Hkv
         h = pid % Hkv
         pos = tl.load(pos_ptr + b)
+        _phi_into(tail_ptr + b * s_tb + h * s_th, s_tl, cmp_ptr + b * s_cb + h * s_ch, s_ct, pos, T_max,
+                  pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, D_IN, H1, D_OUT, HAS_B1, HAS_B2)
+
+    @triton.jit
+    def _phi_into(tail_ptr, s_tl, cmp_ptr, s_ct, pos, T_max, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+                  L: tl.constexpr, STRIDE: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr,
+                  D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+        """phi of the block ending at pos into its entry of one (sequence, kv head)'s compressed
+        cache, if pos completes a block: tail_ptr/cmp_ptr point at that head's ring and cache."""
         done = pos + 1 - L
         if (done >= 0) & (done % STRIDE == 0) & (done // STRIDE < T_max):
             dtype = w1_ptr.dtype.element_ty
@@ -124,7 +137,7 @@ if decode_triton.HAS_TRITON:
             for j in range(L):
                 # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L.
                 slot = (pos - L + 1 + j) % L
-                x = tl.load(tail_ptr + b * s_tb + h * s_th + slot * s_tl + d_in).to(dtype)
+                x = tl.load(tail_ptr + slot * s_tl + d_in).to(dtype)
                 x = (x + tl.load(pe_ptr + j * D_IN + d_in).to(dtype)).to(tl.float32)
                 w = tl.load(w1_ptr + rows[:, None] * (L * D_IN) + j * D_IN + d_in[None, :]).to(tl.float32)
                 acc += tl.sum(w * x[None, :], axis=1)
@@ -137,6 +150,5 @@ if decode_triton.HAS_TRITON:
             out = tl.sum(w2 * hid[None, :], axis=1)
             if HAS_B2:
                 out += tl.load(b2_ptr + outs).to(tl.float32)
-            entry = done // STRIDE
-            dst = cmp_ptr + b * s_cb + h * s_ch + entry * s_ct + outs
+            dst = cmp_ptr + (done // STRIDE) * s_ct + outs
             tl.store(dst, out.to(dtype).to(cmp_ptr.dtype.element_ty))
