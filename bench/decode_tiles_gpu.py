@@ -35,8 +35,7 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         **{f"splits{n}": {"SPLITS": n} for n in (16, 32, 64) if n != splits},
         "ti8": {"TI": 8},
         "ti16": {"TI": 16},
-        "bc128": {"BC": 128},
-        "stages3": {"num_stages": 3},
+        "rank": {"TOPN": 1},
     }
 
 

@@ -58,7 +58,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "TOPN", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -79,7 +79,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
             "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "num_warps": 4, "num_stages": 2}
+            "TOPN": 0, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -151,8 +151,9 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         fold, m_tile, m_a, l_a, pos, keys, tile_max, arrived, blocks, Hkv, T, Tc, NS, NT, NTI, NSI,
         G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, NTIP=_next_pow2(NTI), N=N,
-        NP=_next_pow2(N), num_warps=4,
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local,
+        NTIP=max(_next_pow2(NTI), _next_pow2(N)), N=N,
+        NP=_next_pow2(N), TOPN=cfg["TOPN"], num_warps=4,
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
@@ -257,9 +258,6 @@ if HAS_TRITON:
     ):
         bh = tl.program_id(0)
         part = tl.program_id(1)
-        if part == 0:
-            # Kernels run in order, so B starts with every counter at zero.
-            tl.store(arrived_ptr + bh, 0)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
@@ -296,6 +294,9 @@ if HAS_TRITON:
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
         else:
             chunk = part - SPLITS
+            if chunk == 0:
+                # Kernels run in order, so B starts with every counter at zero.
+                tl.store(arrived_ptr + bh, 0)
             start = pos - w + 1 + chunk * WCH
             m, l, acc = _attend_range(q_rd, kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h,
                                       skw_t, svw_t, tl.maximum(start, 0), tl.minimum(start + WCH, pos + 1), scale,
@@ -309,6 +310,7 @@ if HAS_TRITON:
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
         N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NTIP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+        TOPN: tl.constexpr,
     ):
         """Importance of the blocks of TI tiles, stored as selection keys, and each tile's largest
         key; the last program of a kv head to finish then picks its top n (_top_n)."""
@@ -353,7 +355,10 @@ if HAS_TRITON:
         tl.debug_barrier()
         done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
-            _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, pos // SEL_BLOCK, NSI, NTI, NTIP, JT, JTP, N, NP)
+            if TOPN == 0:
+                _top_n_sorted(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP, JT, JTP, N, NP)
+            else:
+                _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, pos // SEL_BLOCK, NSI, NTI, NTIP, JT, JTP, N, NP)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -365,6 +370,25 @@ if HAS_TRITON:
         # makes keys unique with ties to the lower block id.
         key = score.to(tl.int32, bitcast=True).to(tl.int64) * 4294967296 + (NS - 1 - j)
         return tl.where(valid, key, -1)
+
+    @triton.jit
+    def _top_n_sorted(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
+                      JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+        """Top n of one kv head's keys. Only the blocks of the n tiles with the largest maxima can
+        be in the top n (a tile outside them has n larger maxima above its own): a bitonic top n
+        of the tile maxima finds those tiles (a key holds its block id, so its tile), a second
+        one the top n of their blocks. Keys are read at L2 (.cg): other programs wrote them in
+        this launch. Invalid keys are negative, so slots they reach get -1."""
+        c = tl.arange(0, NTIP)
+        tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1, cache_modifier=".cg")
+        top_tiles = tl.topk(tmax, NP)
+        tile = (NS - 1 - top_tiles % 4294967296) // JT
+        col = tl.arange(0, JTP)
+        cand = tl.load(key_ptr + bh * NSI + tile[:, None] * JT + col[None, :],
+                       mask=(top_tiles >= 0)[:, None] & (col < JT)[None, :], other=-1, cache_modifier=".cg")
+        top = tl.topk(tl.reshape(cand, [NP * JTP]), NP)
+        slot = tl.arange(0, NP)
+        tl.store(blocks_ptr + bh * N + slot, tl.where(top >= 0, NS - 1 - top % 4294967296, -1), mask=slot < N)
 
     @triton.jit
     def _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, own, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
