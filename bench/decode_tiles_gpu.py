@@ -32,10 +32,10 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        **{f"splits{n}": {"SPLITS": n} for n in (16, 32, 64) if n != splits},
+        **{f"splits{n}": {"SPLITS": n} for n in (8, 16, 32, 64) if n != splits},
         "ti8": {"TI": 8},
-        "ti16": {"TI": 16},
-        "rank": {"TOPN": 1},
+        "bc32": {"BC": 32},
+        "warps8": {"num_warps": 8},
     }
 
 

@@ -139,8 +139,12 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     # Query head h belongs to kv head h // G: [B,1,Hq,Dk] -> [B,Hkv,G,Dk].
     args = (pr.q.reshape(B, Hkv, G, cfg.head_dim), cache.k, cache.v, cache.k_win, cache.v_win, cache.k_cmp,
             cache.v_cmp, pos_b, gates_b1h3.reshape(B, Hkv, G, 3))
-    o_bhgd, blocks_bhn = (decode_attend if impl == "op" else decode_attend_torch)(*args, cfg)
-    cache.lengths.add_(1)
+    if impl == "op":
+        # The op advances cache.lengths itself (on CUDA its last kernel does, with no launch of its own).
+        o_bhgd, blocks_bhn = decode_attend(*args, cfg, advance=True)
+    else:
+        o_bhgd, blocks_bhn = decode_attend_torch(*args, cfg)
+        cache.lengths.add_(1)
     return o_bhgd.reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
 
 

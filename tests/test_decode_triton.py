@@ -260,10 +260,35 @@ def test_op_equals_twin_and_accepts_hq_layout():
     assert torch.equal(o_flat, o) and torch.equal(blocks_flat, blocks)
 
 
-def test_opcheck_cpu():
+@pytest.mark.parametrize("advance", [False, True], ids=["pos-kept", "pos-advanced"])
+def test_opcheck_cpu(advance):
     cfg, args = _op_args()
     torch.library.opcheck(torch.ops.nsa_flex.decode_attend.default,
-                          (*args, cfg.head_dim ** -0.5, 32, 16, 64, cfg.n_selected, 1, 2, cfg.window))
+                          (*args, cfg.head_dim ** -0.5, 32, 16, 64, cfg.n_selected, 1, 2, cfg.window, advance))
+
+
+def test_op_advance_adds_one_to_pos_after_attending():
+    cfg, args = _op_args()
+    pos = args[7].clone()
+    o, blocks = decode_attend(*args, cfg)
+    assert torch.equal(args[7], pos)
+    o_adv, blocks_adv = decode_attend(*args, cfg, advance=True)
+    assert torch.equal(args[7], pos + 1) and torch.equal(o_adv, o) and torch.equal(blocks_adv, blocks)
+    with pytest.raises(ValueError, match="pos must be contiguous"):
+        decode_attend(*args[:7], torch.arange(6)[::2], args[8], cfg, advance=True)
+
+
+@interpreter
+def test_kernels_interpreted_advance():
+    # D's program (0, 0) adds 1 to every pos after A, B and S have read it; the result is the same.
+    cfg, T = CONFIGS["g16-paper"]
+    q, k, v, k_win, v_win, k_cmp, v_cmp, gates = make_inputs(cfg, 3, T, torch.float32, "cpu")
+    pos = torch.tensor([1023, 100, 700])
+    args = (q, k, v, k_win, v_win, k_cmp, v_cmp)
+    o, blocks = decode_triton.decode_attend_triton(*args, pos.clone(), gates, 0.125, cfg)
+    moved = pos.clone()
+    o_adv, blocks_adv = decode_triton.decode_attend_triton(*args, moved, gates, 0.125, cfg, advance=True)
+    assert torch.equal(moved, pos + 1) and torch.equal(o_adv, o) and torch.equal(blocks_adv, blocks)
 
 
 @gpu
@@ -273,7 +298,7 @@ def test_opcheck_cuda():
     cfg, args = _op_args("cuda", torch.bfloat16, "g16-paper")
     # The launcher sizes its grid from concrete shapes: no dynamic-shape tracing.
     torch.library.opcheck(torch.ops.nsa_flex.decode_attend.default,
-                          (*args, cfg.head_dim ** -0.5, 32, 16, 64, cfg.n_selected, 1, 2, cfg.window),
+                          (*args, cfg.head_dim ** -0.5, 32, 16, 64, cfg.n_selected, 1, 2, cfg.window, True),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_static"))
 

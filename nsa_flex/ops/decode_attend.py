@@ -31,17 +31,20 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSAConfig, *,
-                  scale: float | None = None) -> tuple[Tensor, Tensor]:
+                  scale: float | None = None, advance: bool = False) -> tuple[Tensor, Tensor]:
     """(o [B,Hkv,G,Dv] in q's dtype, selected blocks [B,Hkv,n] int64 in no particular order, -1 unused).
 
     q [B,Hkv,G,Dk] (or [B,1,Hq,Dk]); the cache tensors, head-major: k, k_win [B,Hkv,T,Dk],
     v, v_win [B,Hkv,T,Dv], k_cmp [B,Hkv,Tc,Dk], v_cmp [B,Hkv,Tc,Dv] (k_win/v_win may be k/v);
     pos [B] int64, the query's position, its token already in the cache (pos < T);
-    gates [B,Hkv,G,3] (after the sigmoid). scale defaults to Dk ** -0.5.
+    gates [B,Hkv,G,3] (after the sigmoid). scale defaults to Dk ** -0.5. advance: add 1 to
+    pos in place afterwards (a decode step's lengths; on CUDA the last kernel does it).
     """
     q, gates, scale = _prepare(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config, scale)
+    if advance and not pos.is_contiguous():
+        raise ValueError("advance=True updates pos in place: pos must be contiguous")
     return torch.ops.nsa_flex.decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale,
-                                            *_geometry(config))
+                                            *_geometry(config), advance)
 
 
 def decode_attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSAConfig, *,
@@ -54,23 +57,28 @@ def decode_attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config:
 def _decode_attend_impl(
     q: Tensor, k: Tensor, v: Tensor, k_win: Tensor, v_win: Tensor, k_cmp: Tensor, v_cmp: Tensor,
     pos: Tensor, gates: Tensor, scale: float, cmp_block: int, cmp_stride: int, sel_block: int,
-    n_selected: int, n_initial: int, n_local: int, window: int,
+    n_selected: int, n_initial: int, n_local: int, window: int, advance: bool,
 ) -> tuple[Tensor, Tensor]:
     # Only the geometry fields are read; head counts come from the tensors.
     config = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected,
                        n_initial=n_initial, n_local=n_local, window=window)
     if q.device.type == "cuda" and decode_triton.HAS_TRITON:
-        return decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
-    return _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
+        return decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config,
+                                                  advance=advance)
+    o, blocks = _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
+    if advance:
+        pos.add_(1)
+    return o, blocks
 
 
 with _quiet_without_triton():
-    _decode_attend_op = triton_op("nsa_flex::decode_attend", mutates_args=())(_decode_attend_impl)
+    # pos is mutated only with advance=True; the schema has to say so either way.
+    _decode_attend_op = triton_op("nsa_flex::decode_attend", mutates_args=("pos",))(_decode_attend_impl)
 
 
 @_decode_attend_op.register_fake
 def _decode_attend_fake(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cmp_block, cmp_stride,
-                        sel_block, n_selected, n_initial, n_local, window):
+                        sel_block, n_selected, n_initial, n_local, window, advance):
     B, Hkv, G, _ = q.shape
     return q.new_empty((B, Hkv, G, v.shape[-1])), q.new_empty((B, Hkv, n_selected), dtype=torch.int64)
 

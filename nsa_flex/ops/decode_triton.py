@@ -58,7 +58,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "TOPN", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -79,12 +79,15 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
             "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "TOPN": 0, "num_warps": 4, "num_stages": 2}
+            "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
-                         tiles: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches A, B, C, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
+                         tiles: dict[str, int] | None = None, *, advance: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
+    advance: D adds 1 to pos in place once nothing reads it any more (a decode step's
+    lengths update without a launch of its own).
 
     tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
     Triton interpreter (tests): there tl.dot runs in fp32, since the interpreter's dot misreads
@@ -115,7 +118,11 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     out_dtype = q.dtype
     q = q.to(k.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    gates, pos = gates.contiguous(), pos.contiguous()
+    gates = gates.contiguous()
+    if pos.stride(0) != 1:
+        if advance:
+            raise ValueError("advance=True updates pos in place: pos must be contiguous")
+        pos = pos.contiguous()
     BH = B * Hkv
     m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
@@ -153,7 +160,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local,
         NTIP=max(_next_pow2(NTI), _next_pow2(N)), N=N,
-        NP=_next_pow2(N), TOPN=cfg["TOPN"], num_warps=4,
+        NP=_next_pow2(N), num_warps=4,
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
@@ -161,8 +168,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, **launch,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
-        m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o,
-        G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
+        m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
+        ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
         NPP=_next_pow2(N + NW), num_warps=4,
     )
     return o, blocks
@@ -210,13 +217,14 @@ if HAS_TRITON:
         """One key tile of an online softmax: keys where ok ([BN] columns), returns (m, l, acc, p),
         p = exp(s - m) with the new m (0 where not ok)."""
         k_dn = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        # Both loads first: V's latency overlaps the scores and the softmax.
+        v_nd = tl.load(v_ptrs, mask=v_mask, other=0.0)
         s = (_dot(q_rd, k_dn, F32_DOT, IEEE) * scale).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
         # Every tile holds a visible key, so m_new is finite and no row turns NaN.
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        v_nd = tl.load(v_ptrs, mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v_nd.dtype), v_nd, F32_DOT, IEEE)
         return m_new, l * alpha + tl.sum(p, axis=1), acc, p
 
@@ -310,7 +318,6 @@ if HAS_TRITON:
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
         N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NTIP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-        TOPN: tl.constexpr,
     ):
         """Importance of the blocks of TI tiles, stored as selection keys, and each tile's largest
         key; the last program of a kv head to finish then picks its top n (_top_n)."""
@@ -355,10 +362,7 @@ if HAS_TRITON:
         tl.debug_barrier()
         done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
-            if TOPN == 0:
-                _top_n_sorted(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP, JT, JTP, N, NP)
-            else:
-                _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, pos // SEL_BLOCK, NSI, NTI, NTIP, JT, JTP, N, NP)
+            _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP, JT, JTP, N, NP)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -372,8 +376,8 @@ if HAS_TRITON:
         return tl.where(valid, key, -1)
 
     @triton.jit
-    def _top_n_sorted(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
-                      JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    def _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
+               JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
         """Top n of one kv head's keys. Only the blocks of the n tiles with the largest maxima can
         be in the top n (a tile outside them has n larger maxima above its own): a bitonic top n
         of the tile maxima finds those tiles (a key holds its block id, so its tile), a second
@@ -389,36 +393,6 @@ if HAS_TRITON:
         top = tl.topk(tl.reshape(cand, [NP * JTP]), NP)
         slot = tl.arange(0, NP)
         tl.store(blocks_ptr + bh * N + slot, tl.where(top >= 0, NS - 1 - top % 4294967296, -1), mask=slot < N)
-
-    @triton.jit
-    def _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, own, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
-               JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
-        """Top n of one kv head's keys by rank: a block's rank is the number of larger keys, and
-        the blocks of rank < n go straight to their slot (no sequential passes of max). Only
-        the blocks of the n tiles with the largest maxima can be in the top n (a tile outside
-        them has n larger maxima above its own), so those candidates are ranked against each
-        other only. Keys are read at L2 (.cg): other programs wrote them in this launch."""
-        slot = tl.arange(0, NP)
-        tl.store(blocks_ptr + bh * N + slot, -1, mask=(slot >= own + 1) & (slot < N))
-        c = tl.arange(0, NTIP)
-        tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1, cache_modifier=".cg")
-        # The top tiles, compacted: the tile of tile-rank s goes to row s.
-        trank = tl.sum((tmax[None, :] > tmax[:, None]).to(tl.int32), axis=1)
-        at = (trank[None, :] == slot[:, None]) & ((trank < N) & (tmax >= 0))[None, :]
-        top_tile = tl.sum(tl.where(at, c[None, :], 0), axis=1)
-        has = tl.sum(at.to(tl.int32), axis=1) > 0
-        col = tl.arange(0, JTP)
-        cand = tl.load(key_ptr + bh * NSI + top_tile[:, None] * JT + col[None, :],
-                       mask=has[:, None] & (col < JT)[None, :], other=-1, cache_modifier=".cg")
-        flat = tl.reshape(cand, [NP * JTP])
-        # rank[i] = #candidates above candidate i, a row of candidates at a time ([NP*JTP, JTP]
-        # per step rather than one [NP*JTP, NP*JTP] comparison).
-        rank = tl.zeros([NP * JTP], tl.int32)
-        for s in range(NP):
-            row = tl.sum(tl.where(slot[:, None] == s, cand, 0), axis=0)
-            rank += tl.sum((row[None, :] > flat[:, None]).to(tl.int32), axis=1)
-        j = tl.reshape(top_tile[:, None] * JT + col[None, :], [NP * JTP])
-        tl.store(blocks_ptr + bh * N + rank, j, mask=(flat >= 0) & (rank < N))
 
     @triton.jit
     def _sel_kernel(
@@ -456,8 +430,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr,
-        G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, SPLITS: tl.constexpr,
+        m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr, pos_ptr, B,
+        ADVANCE: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, SPLITS: tl.constexpr,
         SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
     ):
         bh = tl.program_id(0)
@@ -472,3 +446,8 @@ if HAS_TRITON:
              + tl.load(gate + 2).to(tl.float32) * o_win)
         dv = tl.arange(0, DVP)
         tl.store(o_ptr + (bh * G + g) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
+        if ADVANCE & (bh == 0) & (g == 0):
+            # A, B and S, the readers of pos, are done: kernels of one stream run in order.
+            for b0 in range(0, B, 1024):
+                bb = b0 + tl.arange(0, 1024)
+                tl.store(pos_ptr + bb, tl.load(pos_ptr + bb, mask=bb < B) + 1, mask=bb < B)
