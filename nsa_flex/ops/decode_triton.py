@@ -1,4 +1,4 @@
-"""The Triton kernels behind nsa_flex::decode_attend: one query token per sequence, five launches.
+"""The Triton kernels behind nsa_flex::decode_attend: one query token per sequence, four launches.
 
 The G query heads of a kv head share its keys and its selection, so every program takes them
 as the rows of one tile ([G', D], G' = G rounded up to a power of two, at least 16 for tl.dot).
@@ -12,28 +12,32 @@ A  compressed split-K and window, grid (B*Hkv, SPLITS + window chunks). A compre
    (a tile's entries reach JS - BCL/R blocks into the next tile). A window program attends
    over one chunk of the last w tokens. Nothing of size G x Tc is written: the earlier design
    stored every score and a second kernel re-read them.
-B  importance, grid (B*Hkv, tile groups): lse of each row from A's partials; the importance of
-   selection block j = sum over rows g and the tiles t reaching j of exp(m_t[g] - lse[g]) P_t[g, j],
-   stored as the selection key of select_blocks_one (score bits above the reversed block id, so
-   ties go to the lower id; forced blocks score +inf, blocks after the query's own are out),
-   and the largest key of each tile of JT = BC // R blocks.
-C  top n, grid (B*Hkv, tiles): a block's rank is the number of larger keys, so the n blocks of
-   rank < n go to their slots in parallel, with no passes of max; only the n tiles with the
-   largest maxima can hold them, so only their programs rank, against those tiles' blocks.
-   Measured and dropped: the selected branch folded into these programs (C 13.6 us against
-   5.6 + 3.1 at B=1, 64k: ..._decode_tiles_v4_fused_rank_sel.json); a grid of n programs, each
-   finding its tile among all maxima (194 us at B=8, 128k: ..._decode_tiles_v4_rank_by_slot.json).
+B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's partials; the
+   importance of selection block j = sum over rows g and the tiles t reaching j of
+   exp(m_t[g] - lse[g]) P_t[g, j], stored as the selection key of select_blocks_one (score bits
+   above the reversed block id, so ties go to the lower id and a key names its block; forced
+   blocks score +inf, blocks after the query's own are out), and the largest key of each tile
+   of JT = BC // R blocks. The last program of a kv head to finish (an atomic count; A zeroes
+   the counters) picks the top n: only the n tiles with the largest maxima can hold it, so a
+   bitonic top n (tl.topk) of the tile maxima, then one of those tiles' n * JT keys.
+   Measured and dropped (H200, 64k): a separate top-n kernel ranking each block against the
+   candidates in parallel (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8, against 5.3 and 7.1 for
+   B with its tail; ..._decode_tiles_v4.json, ..._decode_tiles_v5.json); the same rank
+   computed in the tail (13 us at B=1); the selected branch folded into C (13.6 us against
+   5.6 + 3.1: ..._decode_tiles_v4_fused_rank_sel.json).
 S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
-   partials (a softmax each), applies the gates in fp32 and writes o in q's dtype.
+   partials (a softmax each), applies the gates in fp32 and writes o in q's dtype. With
+   advance, its first program then adds 1 to pos (the readers, A, B and S, are done), which
+   saves a decode step its lengths kernel.
 
 Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
-as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded probabilities) is
-allocated per call, so under torch.compile it lives in the CUDA graph's pool. Work depends on
-pos (a tensor), never the grid: one graph serves every position.
+as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded probabilities,
+counters) is allocated per call, so under torch.compile it lives in the CUDA graph's pool.
+Work depends on pos (a tensor), never the grid: one graph serves every position.
 
-Limits: a program of C compares every pair of tile maxima, next_pow2(T / l' / JT)^2 (128^2 at
-128k tokens, JT = 16); far longer caches want a two-level tile ranking.
+Limits: the tail sorts next_pow2(T / l' / JT) tile maxima (128 at 128k tokens, JT = 16) in
+one program; far longer caches want a two-level tile ranking.
 """
 
 from __future__ import annotations
