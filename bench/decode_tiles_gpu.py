@@ -32,10 +32,13 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        **{f"splits{n}": {"SPLITS": n} for n in (8, 16, 32, 64) if n != splits},
-        "ti8": {"TI": 8},
-        "bc32": {"BC": 32},
-        "warps8": {"num_warps": 8},
+        **{f"splits{n}": {"SPLITS": n} for n in (10, 12, 14, 20, 24, 32) if n != splits},
+        "wch128": {"WCH": 128},
+        "wch256": {"WCH": 256},
+        "stages1": {"num_stages": 1},
+        "fold_tf32x3": {"FOLD_TC": 1},
+        "d_warps2": {"DW": 2},
+        "d_warps8": {"DW": 8},
     }
 
 

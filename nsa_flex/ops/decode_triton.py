@@ -62,7 +62,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "FOLD_TC", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -83,7 +83,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
             "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "num_warps": 4, "num_stages": 2}
+            "FOLD_TC": 0, "DW": 4, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -153,7 +153,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
+        **dims, **dots, FOLD_TC=cfg["FOLD_TC"], BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
@@ -174,7 +174,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
         ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
-        NPP=_next_pow2(N + NW), num_warps=4,
+        NPP=_next_pow2(N + NW), num_warps=cfg["DW"],
     )
     return o, blocks
 
@@ -263,7 +263,8 @@ if HAS_TRITON:
         arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, FOLD_TC: tl.constexpr, BC: tl.constexpr,
+        BCL: tl.constexpr,
         JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr,
@@ -298,7 +299,10 @@ if HAS_TRITON:
                 m, l, acc, p = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
                                            ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
                                            F32_DOT, IEEE)
-                folded = tl.dot(p, wt, input_precision="ieee")
+                if FOLD_TC & (not F32_DOT):
+                    folded = tl.dot(p, wt, input_precision="tf32x3")
+                else:
+                    folded = tl.dot(p, wt, input_precision="ieee")
                 row = (bh * NT + t).to(tl.int64) * G
                 tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
                          mask=(g[:, None] < G) & (jj[None, :] < JS))
