@@ -32,13 +32,13 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        **{f"splits{n}": {"SPLITS": n} for n in (10, 12, 14, 20, 24, 32) if n != splits},
-        "wch128": {"WCH": 128},
-        "wch256": {"WCH": 256},
-        "stages1": {"num_stages": 1},
-        "fold_tf32x3": {"FOLD_TC": 1},
+        "d_warps1": {"DW": 1},
         "d_warps2": {"DW": 2},
-        "d_warps8": {"DW": 8},
+        "s_warps2": {"SW": 2},
+        "s_warps8": {"SW": 8},
+        "sd_warps2": {"SW": 2, "DW": 2},
+        "ti2": {"TI": 2},
+        "ti8": {"TI": 8},
     }
 
 
