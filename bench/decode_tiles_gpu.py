@@ -37,6 +37,8 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         "s_warps2": {"SW": 2},
         "s_warps8": {"SW": 8},
         "sd_warps2": {"SW": 2, "DW": 2},
+        "i_warps2": {"IW": 2},
+        "i_warps8": {"IW": 8},
         "ti2": {"TI": 2},
         "ti8": {"TI": 8},
     }

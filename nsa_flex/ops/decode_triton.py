@@ -62,7 +62,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "FOLD_TC", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "FOLD_TC", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -83,7 +83,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
             "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "FOLD_TC": 0, "SW": 4, "DW": 4, "num_warps": 4, "num_stages": 2}
+            "FOLD_TC": 0, "IW": 4, "SW": 4, "DW": 4, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -164,7 +164,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local,
         NTIP=max(_next_pow2(NTI), _next_pow2(N)), N=N,
-        NP=_next_pow2(N), num_warps=4,
+        NP=_next_pow2(N), num_warps=cfg["IW"],
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
