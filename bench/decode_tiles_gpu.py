@@ -32,15 +32,11 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        "d_warps1": {"DW": 1},
-        "d_warps2": {"DW": 2},
-        "s_warps2": {"SW": 2},
-        "s_warps8": {"SW": 8},
-        "sd_warps2": {"SW": 2, "DW": 2},
-        "i_warps2": {"IW": 2},
-        "i_warps8": {"IW": 8},
         "ti2": {"TI": 2},
         "ti8": {"TI": 8},
+        "ti16": {"TI": 16},
+        "d_warps2": {"DW": 2},
+        "i_warps8": {"IW": 8},
     }
 
 

@@ -14,17 +14,17 @@ A  compressed split-K and window, grid (B*Hkv, SPLITS + window chunks). A compre
    stored every score and a second kernel re-read them.
 B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's partials; the
    importance of selection block j = sum over rows g and the tiles t reaching j of
-   exp(m_t[g] - lse[g]) P_t[g, j], stored as the selection key of select_blocks_one (score bits
-   above the reversed block id, so ties go to the lower id and a key names its block; forced
-   blocks score +inf, blocks after the query's own are out), and the largest key of each tile
-   of JT = BC // R blocks. The last program of a kv head to finish (an atomic count; A zeroes
-   the counters) picks the top n: only the n tiles with the largest maxima can hold it, so a
-   bitonic top n (tl.topk) of the tile maxima, then one of those tiles' n * JT keys.
-   Measured and dropped (H200, 64k): a separate top-n kernel ranking each block against the
-   candidates in parallel (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8, against 5.3 and 7.1 for
-   B with its tail; ..._decode_tiles_v4.json, ..._decode_tiles_v5.json); the same rank
-   computed in the tail (13 us at B=1); the selected branch folded into C (13.6 us against
-   5.6 + 3.1: ..._decode_tiles_v4_fused_rank_sel.json).
+   exp(m_t[g] - lse[g]) P_t[g, j], as the selection key of select_blocks_one (score bits above
+   the reversed block id, so ties go to the lower id and a key names its block; forced blocks
+   score +inf, blocks after the query's own are out). A program stores the top n of its TI
+   tiles' keys (a bitonic tl.topk): every key of the kv head's top n is among them. The last
+   program of the kv head to finish (an atomic count; A zeroes the counters) takes the top n
+   of all its programs' candidates.
+   Measured and dropped (H200, 64k; ..._decode_tiles_v4.json, ..._decode_tiles_v5*.json): a
+   separate top-n kernel ranking each block against the candidates of the n tiles with the
+   largest maxima (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8); that rank in the tail (B 13 us
+   at B=1); a tail sorting the tile maxima, then those tiles' keys (B 5.3 / 7.1 us); the
+   selected branch folded into C (13.6 us against 5.6 + 3.1).
 S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype. With
@@ -36,8 +36,8 @@ as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded proba
 counters) is allocated per call, so under torch.compile it lives in the CUDA graph's pool.
 Work depends on pos (a tensor), never the grid: one graph serves every position.
 
-Limits: the tail sorts next_pow2(T / l' / JT) tile maxima (128 at 128k tokens, JT = 16) in
-one program; far longer caches want a two-level tile ranking.
+Limits: the tail sorts cdiv(T / l' / JT, TI) * next_pow2(n) candidates in one program (256 at
+64k tokens, 512 at 128k); far longer caches want a second level of candidates.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "FOLD_TC", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -75,15 +75,18 @@ def _cdiv(a: int, b: int) -> int:
 
 def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int]:
     """Tile sizes: BC compressed-entry lanes per tile of A (a tile uses R * (BC // R) of them),
-    SPLITS of A, BN tokens per tile of C and of A's window programs, WCH window tokens per
+    SPLITS of A, BN tokens per tile of S and of A's window programs, WCH window tokens per
     window program (one selection block's worth, so selection and window programs do equal
-    work); TI tiles per importance program."""
+    work); TI tiles per importance program (raised to hold at least n blocks); warps: IW of
+    B, SW of S, DW of D, num_warps (and num_stages) of A. D with one warp measured 3.1 / 3.5 us
+    against 4.3 / 6.9 with four at B=1 / B=8, 64k (..._decode_tiles_v5_warps.json); other
+    warp counts of B and S were no faster."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
     return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
             "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "FOLD_TC": 0, "IW": 4, "SW": 4, "DW": 4, "num_warps": 4, "num_stages": 2}
+            "IW": 4, "SW": 4, "DW": 1, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -132,14 +135,15 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
     fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
     m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
-    # Selection keys of every block up to NS, in tiles of JT (blocks past the NT tiles take the
-    # last tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet), and each tile's
-    # largest key.
+    # B's programs take TI tiles of JT blocks each (blocks past the NT tiles take the last
+    # tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet) and store the top
+    # n of their keys; enough tiles that a program holds at least n keys.
     KB = 1 + _cdiv(JS - JT, JT)
     NTI = _cdiv(NS, JT)
-    NSI = NTI * JT
-    keys = torch.empty((BH, NSI), dtype=torch.int64, device=dev)
-    tile_max = torch.empty((BH, NTI), dtype=torch.int64, device=dev)
+    NP = _next_pow2(N)
+    TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
+    NPROG = _cdiv(NTI, TI)
+    cand = torch.empty((BH, NPROG, NP), dtype=torch.int64, device=dev)
     # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
     arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
     m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
@@ -153,18 +157,16 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, FOLD_TC=cfg["FOLD_TC"], BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
-    TI = cfg["TI"]
-    wrap_triton(_importance_kernel)[(BH, _cdiv(NTI, TI))](
-        fold, m_tile, m_a, l_a, pos, keys, tile_max, arrived, blocks, Hkv, T, Tc, NS, NT, NTI, NSI,
+    wrap_triton(_importance_kernel)[(BH, NPROG)](
+        fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
         G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local,
-        NTIP=max(_next_pow2(NTI), _next_pow2(N)), N=N,
-        NP=_next_pow2(N), num_warps=cfg["IW"],
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
+        NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"],
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
@@ -264,8 +266,7 @@ if HAS_TRITON:
         arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, FOLD_TC: tl.constexpr, BC: tl.constexpr,
-        BCL: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
         JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr,
@@ -300,10 +301,7 @@ if HAS_TRITON:
                 m, l, acc, p = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
                                            ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
                                            F32_DOT, IEEE)
-                if FOLD_TC & (not F32_DOT):
-                    folded = tl.dot(p, wt, input_precision="tf32x3")
-                else:
-                    folded = tl.dot(p, wt, input_precision="ieee")
+                folded = tl.dot(p, wt, input_precision="ieee")
                 row = (bh * NT + t).to(tl.int64) * G
                 tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
                          mask=(g[:, None] < G) & (jj[None, :] < JS))
@@ -322,20 +320,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _importance_kernel(
-        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, key_ptr, tmax_ptr, arrived_ptr, blocks_ptr, Hkv, T, Tc, NS, NT, NTI,
-        NSI, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
+        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr, arrived_ptr, blocks_ptr, Hkv, T, Tc, NS, NT,
+        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NTIP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
     ):
-        """Importance of the blocks of TI tiles, stored as selection keys, and each tile's largest
-        key; the last program of a kv head to finish then picks its top n (_top_n)."""
+        """Selection keys of the blocks of TI tiles and their top n (stored); the last program of
+        a kv head to finish then picks the top n of those candidates (_top_n)."""
         bh = tl.program_id(0)
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
         n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
-        # Every block up to NTI tiles is written, zeros where nothing is visible (a tile's entries
-        # also reach the first blocks of the next tile).
+        # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
+        # the next tile); keys -1 past the query's own block.
         g = tl.arange(0, GP)
         sp = tl.arange(0, SPP)
         # lse of each row from A's partials.
@@ -362,16 +360,15 @@ if HAS_TRITON:
         j = t * JT + col
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
-        tl.store(key_ptr + bh * NSI + j, key, mask=(col < JT) & (t < NTI))
-        tile_max = tl.max(tl.reshape(key, [TI, JTP]), axis=1)
-        ti = tl.program_id(1) * TI + tl.arange(0, TI)
-        tl.store(tmax_ptr + bh * NTI + ti, tile_max, mask=ti < NTI)
-        # The last program of this kv head to get here sees every key (the barrier orders the
-        # program's stores before its count; acq_rel publishes them and acquires the others').
+        # Every key of the kv head's top n is among its program's top n.
+        slot = tl.arange(0, NP)
+        tl.store(cand_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * NP + slot, tl.topk(key, NP))
+        # The last program of this kv head to get here sees every candidate (the barrier orders
+        # the program's stores before its count; acq_rel publishes them and acquires the others').
         tl.debug_barrier()
         done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
-            _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP, JT, JTP, N, NP)
+            _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -385,22 +382,15 @@ if HAS_TRITON:
         return tl.where(valid, key, -1)
 
     @triton.jit
-    def _top_n(key_ptr, tmax_ptr, blocks_ptr, bh, NS, NSI, NTI, NTIP: tl.constexpr, JT: tl.constexpr,
-               JTP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
-        """Top n of one kv head's keys. Only the blocks of the n tiles with the largest maxima can
-        be in the top n (a tile outside them has n larger maxima above its own): a bitonic top n
-        of the tile maxima finds those tiles (a key holds its block id, so its tile), a second
-        one the top n of their blocks. Keys are read at L2 (.cg): other programs wrote them in
-        this launch. Invalid keys are negative, so slots they reach get -1."""
-        c = tl.arange(0, NTIP)
-        tmax = tl.load(tmax_ptr + bh * NTI + c, mask=c < NTI, other=-1, cache_modifier=".cg")
-        top_tiles = tl.topk(tmax, NP)
-        tile = (NS - 1 - top_tiles % 4294967296) // JT
-        col = tl.arange(0, JTP)
-        cand = tl.load(key_ptr + bh * NSI + tile[:, None] * JT + col[None, :],
-                       mask=(top_tiles >= 0)[:, None] & (col < JT)[None, :], other=-1, cache_modifier=".cg")
-        top = tl.topk(tl.reshape(cand, [NP * JTP]), NP)
+    def _top_n(cand_ptr, blocks_ptr, bh, NS, NPROG, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr):
+        """Top n of one kv head: a bitonic top n (tl.topk) of its programs' candidates, read at
+        L2 (.cg) since other programs wrote them in this launch. A key holds its block id;
+        invalid keys are negative, so slots they reach get -1."""
+        r = tl.arange(0, NPROGP)
         slot = tl.arange(0, NP)
+        cand = tl.load(cand_ptr + (bh * NPROG + r[:, None]) * NP + slot[None, :], mask=(r < NPROG)[:, None],
+                       other=-1, cache_modifier=".cg")
+        top = tl.topk(tl.reshape(cand, [NPROGP * NP]), NP)
         tl.store(blocks_ptr + bh * N + slot, tl.where(top >= 0, NS - 1 - top % 4294967296, -1), mask=slot < N)
 
     @triton.jit
