@@ -78,15 +78,22 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     SPLITS of A, BN tokens per tile of S and of A's window programs, WCH window tokens per
     window program (one selection block's worth, so selection and window programs do equal
     work); TI tiles per importance program (raised to hold at least n blocks); warps: IW of
-    B, SW of S, DW of D, num_warps (and num_stages) of A. D with one warp measured 3.1 / 3.5 us
-    against 4.3 / 6.9 with four at B=1 / B=8, 64k (..._decode_tiles_v5_warps.json); other
-    warp counts of B and S were no faster."""
+    B, SW of S, DW of D, num_warps (and num_stages) of A.
+
+    Measured on the H200 at 64k (bench/results/2026-11-24_h200_decode_tiles_v5_*.json): D with
+    one warp took 3.1 / 3.5 us against 4.3 / 6.9 with four at B=1 / B=8 (40 and 88 partials per
+    row), but 12.5 us at B=1, 128k (152 partials), hence the warps by partial count; B with
+    128 keys per program (TI=8) 5.0 / 6.3 us against 5.7 / 7.9 with 64; other warp counts of
+    B and S were no faster."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
-    return {"BC": BC, "SPLITS": max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv))),
-            "BN": BN, "WCH": BN * _cdiv(config.sel_block, BN), "TI": max(1, 64 // _next_pow2(BC // R)),
-            "IW": 4, "SW": 4, "DW": 1, "num_warps": 4, "num_stages": 2}
+    SPLITS = max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv)))
+    WCH = BN * _cdiv(config.sel_block, BN)
+    # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
+    partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
+    return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
+            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
