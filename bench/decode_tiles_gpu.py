@@ -32,11 +32,10 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        "ti2": {"TI": 2},
-        "ti8": {"TI": 8},
         "ti16": {"TI": 16},
+        "d_warps1": {"DW": 1},
         "d_warps2": {"DW": 2},
-        "i_warps8": {"IW": 8},
+        "d_warps4": {"DW": 4},
     }
 
 
