@@ -32,7 +32,7 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        "dot_fold": {"DOT_FOLD": 1},
+        "no_fold_dot": {"DIAG": 1},
         "win_in_s": {"WIN_S": 1},
     }
 

@@ -62,7 +62,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "WIN_S", "DOT_FOLD", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "DIAG", "WIN_S", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -93,7 +93,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
-            "WIN_S": 0, "DOT_FOLD": 0, "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
+            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -124,11 +124,6 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
-    # Entries reach at most two blocks (l <= l' + d) and R is a power of two: A folds by sums
-    # over [rows, blocks, R] (two stored columns per block: C0 onto its own block, C1 onto the
-    # next) rather than by a dot with the [BC, JS] weights.
-    FAST_FOLD = M_CMP <= R + 1 and R & (R - 1) == 0 and not cfg["DOT_FOLD"]
-    FS = 2 * JT if FAST_FOLD else JS
     NT = _cdiv(Tc, BCL)
     w = min(config.window, T)
     NW = _cdiv(w, WCH)
@@ -145,7 +140,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     BH = B * Hkv
     m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
-    fold = torch.empty((BH, NT, G, FS), dtype=f32, device=dev)
+    fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
     m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
     # B's programs take TI tiles of JT blocks each (blocks past the NT tiles take the last
     # tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet) and store the top
@@ -165,19 +160,18 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    WIN_S = cfg["WIN_S"]
+    WIN_S = cfg.get("WIN_S", 0)
     wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if WIN_S else NW))](
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, WIN_S=WIN_S, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), FAST_FOLD=FAST_FOLD, FS=FS,
-        JT=JT, SPLITS=SPLITS,
+        **dims, **dots, DIAG=cfg.get("DIAG", 0), WIN_S=WIN_S, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
     wrap_triton(_importance_kernel)[(BH, NPROG)](
         fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
-        FAST_FOLD=FAST_FOLD, FS=FS, G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
+        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
         NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"],
@@ -280,9 +274,9 @@ if HAS_TRITON:
         arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, WIN_S: tl.constexpr,
-        BC: tl.constexpr, BCL: tl.constexpr, JS: tl.constexpr, JSP: tl.constexpr, FAST_FOLD: tl.constexpr,
-        FS: tl.constexpr, JT: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr, WIN_S: tl.constexpr,
+        BC: tl.constexpr, BCL: tl.constexpr,
+        JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr,
     ):
@@ -304,11 +298,6 @@ if HAS_TRITON:
             jj = tl.arange(0, JSP)
             wt = tl.minimum(cc[:, None] + M_CMP, jj[None, :] * R + R) - tl.maximum(cc[:, None], jj[None, :] * R)
             wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < JS), tl.maximum(wt, 0), 0).to(tl.float32)
-            # The same weights per offset a within a block: onto the block, onto the next one.
-            a = tl.arange(0, R if FAST_FOLD else 1)
-            w0 = (tl.minimum(a + M_CMP, R) - a).to(tl.float32)
-            w1 = tl.minimum(tl.maximum(a + M_CMP - R, 0), R).to(tl.float32)
-            jt = tl.arange(0, JT if FAST_FOLD else 1)
             m, l, acc = _flash_init(ROWS, DVP)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
@@ -321,18 +310,13 @@ if HAS_TRITON:
                 m, l, acc, p = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
                                            ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
                                            F32_DOT, IEEE)
-                row = (bh * NT + t).to(tl.int64) * G
-                if FAST_FOLD:
-                    p3 = tl.reshape(p, [ROWS, JT, R])
-                    c0 = tl.sum(p3 * w0[None, None, :], axis=2)
-                    c1 = tl.sum(p3 * w1[None, None, :], axis=2)
-                    dst = fold_ptr + (row + g[:, None]) * FS + jt[None, :]
-                    tl.store(dst, c0, mask=g[:, None] < G)
-                    tl.store(dst + JT, c1, mask=g[:, None] < G)
+                if DIAG == 1:
+                    folded = tl.zeros([ROWS, JSP], tl.float32)
                 else:
                     folded = tl.dot(p, wt, input_precision="ieee")
-                    tl.store(fold_ptr + (row + g[:, None]) * FS + jj[None, :], folded,
-                             mask=(g[:, None] < G) & (jj[None, :] < JS))
+                row = (bh * NT + t).to(tl.int64) * G
+                tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
+                         mask=(g[:, None] < G) & (jj[None, :] < JS))
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
             if WIN_S & (part == 0):
@@ -351,7 +335,7 @@ if HAS_TRITON:
     @triton.jit
     def _importance_kernel(
         fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr, arrived_ptr, blocks_ptr, Hkv, T, Tc, NS, NT,
-        FAST_FOLD: tl.constexpr, FS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
         N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
@@ -378,30 +362,15 @@ if HAS_TRITON:
         t = t0 + i // JTP
         col = i % JTP
         imp = tl.zeros([TI * JTP], tl.float32)
-        if FAST_FOLD:
-            # Block j = t*JT + col: C0 of its own tile's column, C1 of block j - 1 (this tile's
-            # previous column, or the previous tile's last).
-            jm = t * JT + col - 1
-            tm = (jm + JT) // JT - 1
-            for kk in tl.static_range(2):
-                src = t if kk == 0 else tm
-                c = col if kk == 0 else JT + jm - tm * JT
-                t_ok = (src >= 0) & (src < n_tiles) & (col < JT)
-                row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
-                ok = (g[:, None] < G) & t_ok[None, :]
-                m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
-                folded = tl.load(fold_ptr + row * FS + c[None, :], mask=ok, other=0.0)
-                imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
-        else:
-            for kk in tl.static_range(KB):
-                # Tile t - kk's column col + kk*JT falls on block t*JT + col.
-                src = t - kk
-                t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
-                row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
-                ok = (g[:, None] < G) & t_ok[None, :]
-                m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
-                folded = tl.load(fold_ptr + row * FS + (col + kk * JT)[None, :], mask=ok, other=0.0)
-                imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
+        for kk in tl.static_range(KB):
+            # Tile t - kk's column col + kk*JT falls on block t*JT + col.
+            src = t - kk
+            t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
+            row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
+            ok = (g[:, None] < G) & t_ok[None, :]
+            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
+            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
+            imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
         j = t * JT + col
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
