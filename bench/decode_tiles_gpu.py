@@ -32,8 +32,10 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        "no_fold_dot": {"DIAG": 1},
-        "win_in_s": {"WIN_S": 1},
+        "ti16": {"TI": 16},
+        "d_warps1": {"DW": 1},
+        "d_warps2": {"DW": 2},
+        "d_warps4": {"DW": 4},
     }
 
 

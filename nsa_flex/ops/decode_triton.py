@@ -62,7 +62,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "DIAG", "WIN_S", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -160,12 +160,11 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    WIN_S = cfg.get("WIN_S", 0)
-    wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if WIN_S else NW))](
+    wrap_triton(_cmp_win_kernel)[(BH, SPLITS + NW)](
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, DIAG=cfg.get("DIAG", 0), WIN_S=WIN_S, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
@@ -176,10 +175,10 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
         NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"],
     )
-    wrap_triton(_sel_kernel)[(BH, N + (NW if WIN_S else 0))](
-        q, k, v, k_win, v_win, pos, blocks, m_c, l_c, acc_c, Hkv, T, w, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
+    wrap_triton(_sel_kernel)[(BH, N)](
+        q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
         num_stages=cfg["num_stages"],
     )
     wrap_triton(_combine_kernel)[(BH, G)](
@@ -274,8 +273,7 @@ if HAS_TRITON:
         arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr, WIN_S: tl.constexpr,
-        BC: tl.constexpr, BCL: tl.constexpr,
+        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
         JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr,
@@ -310,17 +308,12 @@ if HAS_TRITON:
                 m, l, acc, p = _flash_step(q_rd, k_ptrs, v_ptrs, ok, m, l, acc, scale,
                                            ok[None, :] & (dk[:, None] < DK), ok[:, None] & (dv[None, :] < DV),
                                            F32_DOT, IEEE)
-                if DIAG == 1:
-                    folded = tl.zeros([ROWS, JSP], tl.float32)
-                else:
-                    folded = tl.dot(p, wt, input_precision="ieee")
+                folded = tl.dot(p, wt, input_precision="ieee")
                 row = (bh * NT + t).to(tl.int64) * G
                 tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
                          mask=(g[:, None] < G) & (jj[None, :] < JS))
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
-            if WIN_S & (part == 0):
-                tl.store(arrived_ptr + bh, 0)
         else:
             chunk = part - SPLITS
             if chunk == 0:
@@ -409,29 +402,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _sel_kernel(
-        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, w, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
+        q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
+        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
     ):
         bh = tl.program_id(0)
         part = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
+        blk = tl.load(blocks_ptr + bh * N + part)
+        lo = tl.maximum(blk, 0) * SEL_BLOCK
+        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        if part < N:
-            blk = tl.load(blocks_ptr + bh * N + part)
-            lo = tl.maximum(blk, 0) * SEL_BLOCK
-            hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
-            m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
-                                      lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
-        else:
-            start = pos - w + 1 + (part - N) * WCH
-            m, l, acc = _attend_range(q_rd, kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h,
-                                      skw_t, svw_t, tl.maximum(start, 0), tl.minimum(start + WCH, pos + 1), scale,
-                                      ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
+                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
         _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
 
     @triton.jit
