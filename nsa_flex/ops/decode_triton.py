@@ -169,7 +169,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JT=JT, JTD=max(16, _next_pow2(JT)), SPLITS=SPLITS,
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
@@ -279,7 +279,7 @@ if HAS_TRITON:
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
-        JS: tl.constexpr, JT: tl.constexpr, JTD: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
+        JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr,
     ):
@@ -298,11 +298,9 @@ if HAS_TRITON:
             dv = tl.arange(0, DVP)
             cc = tl.arange(0, BC)
             # Fold weights: entry c of a tile covers chunks c .. c+M-1, block j of it chunks jR .. jR+R-1.
-            # The tile's own JT blocks by a dot; the JS - JT blocks its last entries reach past
-            # the tile by row sums (a dot for those would double the columns: 17 -> 32 at JT=16).
-            jj = tl.arange(0, JTD)
+            jj = tl.arange(0, JSP)
             wt = tl.minimum(cc[:, None] + M_CMP, jj[None, :] * R + R) - tl.maximum(cc[:, None], jj[None, :] * R)
-            wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < JT), tl.maximum(wt, 0), 0).to(tl.float32)
+            wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < JS), tl.maximum(wt, 0), 0).to(tl.float32)
             m, l, acc = _flash_init(ROWS, DVP)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
@@ -318,12 +316,7 @@ if HAS_TRITON:
                 folded = tl.dot(p, wt, input_precision="ieee")
                 row = (bh * NT + t).to(tl.int64) * G
                 tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
-                         mask=(g[:, None] < G) & (jj[None, :] < JT))
-                for kk in tl.static_range(JS - JT):
-                    j0 = (JT + kk) * R
-                    wk = tl.minimum(cc + M_CMP, j0 + R) - tl.maximum(cc, j0)
-                    wk = tl.where(cc < BCL, tl.maximum(wk, 0), 0).to(tl.float32)
-                    tl.store(fold_ptr + (row + g) * JS + JT + kk, tl.sum(p * wk[None, :], axis=1), mask=g < G)
+                         mask=(g[:, None] < G) & (jj[None, :] < JS))
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
         else:
