@@ -32,10 +32,11 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
+        **{f"splits{n}": {"SPLITS": n} for n in (16, 32, 64) if n != splits},
+        "ti4": {"TI": 4},
         "ti16": {"TI": 16},
-        "d_warps1": {"DW": 1},
-        "d_warps2": {"DW": 2},
-        "d_warps4": {"DW": 4},
+        **{f"d_warps{n}": {"DW": n} for n in (1, 4) if n != base["DW"]},
+        "s_warps8": {"SW": 8},
     }
 
 

@@ -2,10 +2,11 @@
 
 `prefill` runs the layer's training path (its `impl`) over the right-padded prompts and fills
 the cache in one go. `decode_step` takes one new token per sequence: it writes the token's
-keys/values, compresses a new block where one just completed (batched tensor ops), and runs
-the three branches for the one query through the op nsa_flex::decode_attend (fused Triton
-kernels on CUDA, nsa_flex/ops/decode_attend.py); static shapes, positions as tensors, no host
-synchronisation, so `torch.compile(mode="reduce-overhead")` makes it one CUDA graph.
+keys/values and compresses a new block where one just completed (the op nsa_flex::cache_step,
+one Triton launch on CUDA), then runs the three branches for the one query and advances the
+lengths (the op nsa_flex::decode_attend, four Triton launches on CUDA); static shapes,
+positions as tensors, no host synchronisation, so `torch.compile(mode="reduce-overhead")`
+makes it one CUDA graph.
 
 `rotary`, if given, is a callable (q [B,T,H,D], k [B,T,Hkv,D], positions [B,T]) -> (q, k):
 RoPE at explicit positions, since the sequences of a decode batch sit at different ones.
@@ -122,8 +123,9 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     branches and the gates, advances cache.lengths. pr holds [B,1,...] projections, gates
     [B,1,Hq,3] (after the sigmoid). Returns (o [B,1,Hq,Dv] in q's dtype, selection [B,Hkv,n]).
 
-    impl: "op", the registered op nsa_flex::decode_attend (fused Triton kernels on CUDA, its
-    torch twin elsewhere); "torch", the twin inline, for Inductor to compile (the pre-op path).
+    impl: "op", the registered ops nsa_flex::cache_step and nsa_flex::decode_attend (Triton
+    kernels on CUDA, their torch twins elsewhere); "torch", the scatter writes, nsa_flex::phi_step
+    and the attention twin inline, for Inductor to compile (the pre-op path).
     """
     cfg = cache.config
     B, Hkv, G = pr.q.shape[0], cfg.n_kv_heads, cfg.group_size

@@ -107,7 +107,8 @@ def decode_notes(cfg: DecodeBenchConfig) -> list[str]:
     notes = [
         "mode B=b: b sequences, each with T tokens in the cache; median ms = GPU time of one step.",
         "nsa-graph: decode_attention compiled (fullgraph) and replayed from a CUDA graph, "
-        f"{cfg.steps_per_graph} steps per graph; cache write, phi (nsa_flex::phi_step: work only where a block completes), "
+        f"{cfg.steps_per_graph} steps per graph; cache write + phi in one launch "
+        "(nsa_flex::cache_step: phi only where a block completes), "
         "cmp branch over the whole compressed cache, top-n, selected + window branches, gates. No projections.",
         "dense-sdpa: SDPA flash over the whole cache, [B, Hkv, G, D] queries, also from a CUDA graph.",
         "nsa-reduce-overhead: mode='reduce-overhead' called from Python (host replay overhead included).",

@@ -132,7 +132,8 @@ def _short(text: str, limit: int) -> str:
 
 
 def plot(header: dict[str, Any], rows: list[Row], path: Path) -> Path | None:
-    """Time and speedup against T, log scales; one colour per impl, dashed squares for fwd+bwd."""
+    """Time and speedup against T, log scales; one colour per impl, one line style and marker per
+    mode (fwd solid circles, fwd+bwd dashed squares; decode's batch sizes likewise)."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import NullLocator
@@ -141,9 +142,11 @@ def plot(header: dict[str, Any], rows: list[Row], path: Path) -> Path | None:
     fig = Figure(figsize=(13, 5))
     ax_time, ax_speed = fig.subplots(1, 2)
     impls = list(dict.fromkeys(r.impl for r in rows))
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    lines, markers = ("-", "--", ":", "-."), ("o", "s", "^", "D")
     for (impl, mode), pts in _series(rows).items():
-        fwd = mode == "fwd"
-        style = dict(color=f"C{impls.index(impl) % 10}", linestyle="-" if fwd else "--", marker="o" if fwd else "s",
+        m = modes.index(mode)
+        style = dict(color=f"C{impls.index(impl) % 10}", linestyle=lines[m % 4], marker=markers[m % 4],
                      label=f"{impl} {mode}")
         ax_time.plot([p.T for p in pts], [p.median_ms for p in pts], **style)
         with_speedup = [p for p in pts if p.speedup is not None]

@@ -11,7 +11,7 @@ completed) and the query of one token per sequence at positions pos [B], it runs
   each with its own softmax,
 - the gates: o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win (fp32).
 
-On CUDA with Triton the op runs four fused kernels (ops/decode_triton.py); elsewhere its torch
+On CUDA with Triton the op runs four Triton launches (ops/decode_triton.py); elsewhere its torch
 twin below, the batched-ops decode of nsa_flex.decode. As for select_blocks, the choice is made
 inside the op body (a register_kernel("cpu") fallback would be skipped under torch.compile).
 """
