@@ -37,8 +37,6 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         "ti16": {"TI": 16},
         **{f"d_warps{n}": {"DW": n} for n in (1, 4) if n != base["DW"]},
         "s_warps8": {"SW": 8},
-        "sb2": {"SB": 2},
-        "sb4": {"SB": 4},
     }
 
 

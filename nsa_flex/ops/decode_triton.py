@@ -69,7 +69,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "SB", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -100,7 +100,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
-            "SB": 1, "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
+            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -160,11 +160,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     cand = torch.empty((BH, NPROG, NP), dtype=torch.int64, device=dev)
     # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
     arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
-    # S's partials (SB selected blocks each), then the window's.
-    SB = cfg["SB"]
-    NSP = _cdiv(N, SB)
-    m_c, l_c = (torch.empty((BH, NSP + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
-    acc_c = torch.empty((BH, NSP + NW, ROWS, DVP), dtype=f32, device=dev)
+    m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
+    acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
     o = torch.empty((B, Hkv, G, Dv), dtype=out_dtype, device=dev)
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
@@ -175,7 +172,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
-        CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=NSP, NW=NW, WCH=WCH, BN=BN,
+        CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         **launch,
     )
     wrap_triton(_importance_kernel)[(BH, NPROG)](
@@ -185,16 +182,16 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
         NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"],
     )
-    wrap_triton(_sel_kernel)[(BH, NSP)](
+    wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        **dims, **dots, N=N, NW=NW, SB=SB, NSP=NSP, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
+        **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
         num_stages=cfg["num_stages"],
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
-        ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=NSP, NP=NSP + NW,
-        NPP=_next_pow2(NSP + NW), num_warps=cfg["DW"],
+        ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
+        NPP=_next_pow2(N + NW), num_warps=cfg["DW"],
     )
     return o, blocks
 
@@ -264,17 +261,9 @@ if HAS_TRITON:
                       DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BN: tl.constexpr,
                       F32_DOT: tl.constexpr, IEEE: tl.constexpr):
         """Online softmax over the tokens lo..hi-1 of one kv head: (m, l, acc)."""
-        m, l, acc = _flash_init(ROWS, DVP)
-        return _attend_more(q_rd, k_base, v_base, skt, svt, lo, hi, scale, m, l, acc, DK, DKP, DV, BN,
-                            F32_DOT, IEEE)
-
-    @triton.jit
-    def _attend_more(q_rd, k_base, v_base, skt, svt, lo, hi, scale, m, l, acc, DK: tl.constexpr,
-                     DKP: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, F32_DOT: tl.constexpr,
-                     IEEE: tl.constexpr):
-        """An online softmax state (m, l, acc) carried on over the tokens lo..hi-1."""
         dk = tl.arange(0, DKP)
-        dv = tl.arange(0, acc.shape[1])
+        dv = tl.arange(0, DVP)
+        m, l, acc = _flash_init(ROWS, DVP)
         tt = tl.arange(0, BN)
         for t0 in range(lo, hi, BN):
             ok = t0 + tt < hi
@@ -424,23 +413,20 @@ if HAS_TRITON:
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        SB: tl.constexpr, NSP: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
+        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
     ):
         bh = tl.program_id(0)
         part = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
+        blk = tl.load(blocks_ptr + bh * N + part)
+        lo = tl.maximum(blk, 0) * SEL_BLOCK
+        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        m, l, acc = _flash_init(ROWS, DVP)
-        for i in tl.static_range(SB):
-            slot = part * SB + i
-            blk = tl.load(blocks_ptr + bh * N + slot, mask=slot < N, other=-1)
-            lo = tl.maximum(blk, 0) * SEL_BLOCK
-            hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
-            m, l, acc = _attend_more(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
-                                     lo, hi, scale, m, l, acc, DK, DKP, DV, BN, F32_DOT, IEEE)
-        _store_partial(m_c, l_c, acc_c, bh * (NSP + NW) + part, m, l, acc, ROWS, DVP)
+        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
+                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
