@@ -33,6 +33,8 @@ B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's par
    at B=1); a tail sorting the tile maxima, then those tiles' keys (B 5.3 / 7.1 us); the
    selected branch folded into C (13.6 us against 5.6 + 3.1).
 S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
+   Two or four blocks per program were no faster (S 8.2 / 10.9 against 7.8 us at B=8, 64k;
+   ..._decode_tiles_v5_sel_blocks_per_program.json).
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype. With
    advance, its first program then adds 1 to pos (the readers, A, B and S, are done), which
