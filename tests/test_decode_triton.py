@@ -600,3 +600,14 @@ def test_cache_step_opcheck(separate):
     params = [p.detach() if p is not None else None for p in (*phi_params(phi_k), *phi_params(phi_v))]
     torch.library.opcheck(torch.ops.nsa_flex.cache_step.default,
                           (*tokens, *_caches(cache, separate), pos, *params, cfg.cmp_block, cfg.cmp_stride))
+
+
+def test_cache_step_refuses_window_tokens_without_window_caches():
+    """Separate window K/V need both the tokens and the caches; one without the other is a clear error."""
+    from nsa_flex.ops import cache_step
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate=True)
+    caches = list(_caches(cache, True))
+    caches[2] = caches[3] = None
+    with pytest.raises(ValueError, match="window tokens and window caches must both be given"):
+        cache_step(tokens, tuple(caches), pos, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride)
