@@ -513,6 +513,7 @@ def test_phi_step_refuses_another_phi():
     ({"BS": 4}, "unknown decode tile keys \\['BS'\\]"),
     ({"BC": 48}, "must be a power of two"),
     ({"BC": 2}, "must be a power of two >= l'/d = 4"),
+    ({"TI": 3}, "TI=3 must be a power of two"),
 ])
 def test_bad_tiles(tiles, message):
     # Checked before anything launches: the error names the key or the rule.

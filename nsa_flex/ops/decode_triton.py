@@ -130,6 +130,9 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     R, M_CMP = config.sel_block // config.cmp_stride, config.cmp_block // config.cmp_stride
     if BC < R or BC & (BC - 1):
         raise ValueError(f"decode tile BC={BC} must be a power of two >= l'/d = {R}")
+    if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
+        # B sorts each program's TI * JT keys with a bitonic network.
+        raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
