@@ -37,8 +37,6 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         "ti16": {"TI": 16},
         **{f"d_warps{n}": {"DW": n} for n in (1, 4) if n != base["DW"]},
         "s_warps8": {"SW": 8},
-        "jt15": {"JT": 15},
-        "jt15_splits32": {"JT": 15, "SPLITS": 32},
     }
 
 

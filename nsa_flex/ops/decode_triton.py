@@ -71,7 +71,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "JT", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -134,9 +134,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
-    JT = cfg.get("JT", BC // R)
-    if not 1 <= JT <= BC // R:
-        raise ValueError(f"decode tile JT={JT} must lie in [1, BC / (l'/d) = {BC // R}]")
+    JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
     NT = _cdiv(Tc, BCL)
     w = min(config.window, T)
