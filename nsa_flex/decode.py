@@ -22,6 +22,7 @@ import torch
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.cache import NSACache
 from nsa_flex.ops import cache_step, decode_attend, decode_attend_torch, phi_step
+from nsa_flex.ops.cache_step import write_token_torch
 # Re-exported: the selection rule of one decode query, now the op's torch twin.
 from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
 
@@ -150,27 +151,24 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     return o_bhgd.reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
 
 
-def _write_and_compress(cache: NSACache, pr: Projected, pos_b: torch.Tensor, phi_k, phi_v) -> None:
-    """The token's writes and phi where a block completes, as one op (nsa_flex::cache_step: one
-    launch on CUDA); the same as _write_token + _update_compressed."""
+def _step_tensors(cache: NSACache, pr: Projected):
+    """(tokens, caches) of one step as the cache ops take them; the window pair only when separate."""
     separate = cache.config.separate_kv
     tokens = (pr.k_sel[:, 0], pr.v_sel[:, 0], pr.k_win[:, 0] if separate else None,
               pr.v_win[:, 0] if separate else None, pr.k_cmp[:, 0], pr.v_cmp[:, 0])
     caches = (cache.k, cache.v, cache.k_win if separate else None, cache.v_win if separate else None, cache.k_tail,
               cache.v_tail, cache.k_cmp, cache.v_cmp)
-    cache_step(tokens, caches, pos_b, phi_k, phi_v, cache.config.cmp_block, cache.config.cmp_stride)
+    return tokens, caches
+
+
+def _write_and_compress(cache: NSACache, pr: Projected, pos_b: torch.Tensor, phi_k, phi_v) -> None:
+    """The token's writes and phi where a block completes, as one op (nsa_flex::cache_step: one
+    launch on CUDA); the same as _write_token + _update_compressed."""
+    cache_step(*_step_tensors(cache, pr), pos_b, phi_k, phi_v, cache.config.cmp_block, cache.config.cmp_stride)
 
 
 def _write_token(cache: NSACache, pr: Projected, pos_b: torch.Tensor) -> None:
-    b = torch.arange(pos_b.shape[0], device=pos_b.device)
-    cache.k[b, :, pos_b] = pr.k_sel[:, 0].to(cache.k.dtype)
-    cache.v[b, :, pos_b] = pr.v_sel[:, 0].to(cache.v.dtype)
-    if cache.config.separate_kv:
-        cache.k_win[b, :, pos_b] = pr.k_win[:, 0].to(cache.k.dtype)
-        cache.v_win[b, :, pos_b] = pr.v_win[:, 0].to(cache.v.dtype)
-    slot_b = torch.remainder(pos_b, cache.config.cmp_block)
-    cache.k_tail[b, :, slot_b] = pr.k_cmp[:, 0].to(cache.k.dtype)
-    cache.v_tail[b, :, slot_b] = pr.v_cmp[:, 0].to(cache.v.dtype)
+    write_token_torch(*_step_tensors(cache, pr), pos_b, cache.config.cmp_block)
 
 
 def _update_compressed(cache: NSACache, pos_b: torch.Tensor, phi_k, phi_v) -> None:

@@ -10,7 +10,8 @@ head, keys or values) writes the token and, where a block completes, runs phi on
 it has just written (a CTA barrier makes the new slot visible to the program's threads).
 
 Off CUDA, without Triton, or with head/hidden widths that are not powers of two >= 16 (the
-phi kernel's tiles), the op runs its torch twin: the scatter writes and nsa_flex::phi_step.
+phi kernel's tiles), the op runs its torch twin: the scatter writes (write_token_torch) and
+phi_step's twin.
 """
 
 # No `from __future__ import annotations` here: torch.library reads the op's annotations.
@@ -49,6 +50,21 @@ def cache_step(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...],
                                   k_cmp, v_cmp, pos, *phi_params(phi_k), *phi_params(phi_v), cmp_block, cmp_stride)
 
 
+def write_token_torch(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Tensor], ...], pos: Tensor,
+                      cmp_block: int) -> None:
+    """The token's writes alone, as scatter ops (the twin's, and decode's impl="torch" path):
+    tokens and caches as cache_step's; the tail ring slot of position p is p % l."""
+    k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok = tokens
+    k, v, k_win, v_win, k_tail, v_tail, _, _ = caches
+    b = torch.arange(pos.shape[0], device=pos.device)
+    for cache, tok in ((k, k_tok), (v, v_tok), (k_win, kw_tok), (v_win, vw_tok)):
+        if cache is not None:
+            cache[b, :, pos] = tok.to(cache.dtype)
+    slot_b = torch.remainder(pos, cmp_block)
+    k_tail[b, :, slot_b] = kc_tok.to(k_tail.dtype)
+    v_tail[b, :, slot_b] = vc_tok.to(v_tail.dtype)
+
+
 def _cache_step_impl(
     k_tok: Tensor, v_tok: Tensor, kw_tok: Optional[Tensor], vw_tok: Optional[Tensor], kc_tok: Tensor, vc_tok: Tensor,
     k: Tensor, v: Tensor, k_win: Optional[Tensor], v_win: Optional[Tensor], k_tail: Tensor, v_tail: Tensor,
@@ -67,13 +83,7 @@ def _cache_step_impl(
         _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos,
                            (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block, cmp_stride)
         return
-    b = torch.arange(pos.shape[0], device=pos.device)
-    for cache, tok in ((k, k_tok), (v, v_tok), (k_win, kw_tok), (v_win, vw_tok)):
-        if cache is not None:
-            cache[b, :, pos] = tok.to(cache.dtype)
-    slot_b = torch.remainder(pos, cmp_block)
-    k_tail[b, :, slot_b] = kc_tok.to(k_tail.dtype)
-    v_tail[b, :, slot_b] = vc_tok.to(v_tail.dtype)
+    write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
     _phi_step_torch(k_tail, k_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, cmp_block, cmp_stride)
     _phi_step_torch(v_tail, v_cmp, pos, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
 
