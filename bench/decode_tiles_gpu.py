@@ -24,10 +24,7 @@ from decode_kernel_gpu import Problem, time_graph  # noqa: E402
 from records import json_saver  # noqa: E402
 
 from nsa_flex.bench.decode import kernel_profile  # noqa: E402
-from nsa_flex.ops.decode_triton import decode_attend_triton, launch_config, sync_size  # noqa: E402
-
-
-PERSISTENT_SYNC = "persistent_sync"
+from nsa_flex.ops.decode_triton import decode_attend_triton, launch_config  # noqa: E402
 
 
 def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
@@ -35,9 +32,6 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     splits = base["SPLITS"]
     return {
         "default": {},
-        # The fused kernel with the caller's sync buffer (no memset per call), as NSACache passes it.
-        PERSISTENT_SYNC: {},
-        "four_launches": {"FUSED": 0},
         **{f"splits{n}": {"SPLITS": n} for n in (16, 32, 64) if n != splits},
         "ti4": {"TI": 4},
         "ti16": {"TI": 16},
@@ -68,11 +62,8 @@ def main() -> None:
         for name, tiles in variants(B, cfg.n_kv_heads, k_cmp.shape[2], cfg).items():
             if args.variants and name not in args.variants:
                 continue
-            sync = torch.zeros(sync_size(B, cfg.n_kv_heads), dtype=torch.int32, device="cuda")
-
-            def op(tiles=tiles, sync=sync if name == PERSISTENT_SYNC else None):
-                return decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cfg, tiles,
-                                            sync=sync)
+            def op(tiles=tiles):
+                return decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cfg, tiles)
 
             row = {"B": B, "T": T, "variant": name, "tiles": {**launch_config(B, cfg.n_kv_heads, k_cmp.shape[2], cfg),
                                                               **tiles}}

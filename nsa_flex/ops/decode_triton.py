@@ -42,6 +42,19 @@ D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A'
    advance, its first program then adds 1 to pos (the readers, A, B and S, are done), which
    saves a decode step its lengths kernel.
 
+One launch instead of four, measured and dropped (H200, 64k, commit 88b130e,
+bench/results/2026-11-24_h200_decode_fused_v*): a kernel whose programs take work items (A,
+then B, S, D) by an atomic ticket and wait on a per-row count for the items they read. Waits
+only ever point at earlier tickets, so it cannot hang whatever order programs start in. It ran
+correctly (GPU tests passed) but slower: 34 us at B=1 and 65 us at B=8 with one program per
+item, 42 / 89 us with a persistent grid (3 programs per SM; the loop took 255 registers and
+150 spills), against 19 / 55 us for the four launches in the same runs. A per-program timeline
+(globaltimer) showed A finishing as fast as alone (~7 us at B=1), but every B, S and D item
+taking 2-3x its time in its own kernel (a B item 8.5 us, a D item 5 us with nothing else
+running). Polling with atomics, volatile loads or ld.acquire, and backing off with nanosleep,
+changed nothing. The fused cubin is 430 KB, the four kernels' together as large; a likely cause
+is that the phases' code no longer stays in the SMs' instruction caches. Not measured.
+
 Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
 as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded probabilities,
 counters) is allocated per call, so under torch.compile it lives in the CUDA graph's pool.
@@ -73,7 +86,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("FUSED", "PERSIST", "SLEEP", "BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
 
 
 def _next_pow2(x: int) -> int:
@@ -103,40 +116,13 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     WCH = BN * _cdiv(config.sel_block, BN)
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
-    return {"FUSED": 1, "PERSIST": 3, "SLEEP": 0, "BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
+    return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
 
 
-SYNC_PAD = 32
-"""int32s per count in the sync buffer: one 128-byte line each, so polls of one count do not
-queue behind another's. The buffer holds the ticket count, the finished count, then a count
-per kv head row."""
-
-
-def sync_size(B: int, Hkv: int) -> int:
-    """int32 entries of the fused kernel's sync buffer for B sequences of Hkv kv heads."""
-    return SYNC_PAD * (2 + B * Hkv)
-
-
-def _sync_buffer(sync: torch.Tensor | None, B: int, Hkv: int, device: torch.device) -> torch.Tensor:
-    """The caller's sync buffer (checked), or zeros for this call alone (one memset more per call)."""
-    size = sync_size(B, Hkv)
-    if sync is None:
-        return torch.zeros(size, dtype=torch.int32, device=device)
-    if sync.dtype != torch.int32 or sync.device != device or not sync.is_contiguous() or sync.numel() < size:
-        raise ValueError(f"sync must be a contiguous int32 tensor of >= {size} entries on {device} "
-                         f"(zeros when first used), got {sync.dtype} {list(sync.shape)} on {sync.device}")
-    return sync
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs programs in turn)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
-                         tiles: dict[str, int] | None = None, *, advance: bool = False,
-                         sync: torch.Tensor | None = None, trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         tiles: dict[str, int] | None = None, *, advance: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
     advance: D adds 1 to pos in place once nothing reads it any more (a decode step's
     lengths update without a launch of its own).
@@ -193,7 +179,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     NPROG = _cdiv(NTI, TI)
     cand = torch.empty((BH, NPROG, NP), dtype=torch.int64, device=dev)
     # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
-    arrived = None if cfg["FUSED"] else torch.empty((BH,), dtype=torch.int32, device=dev)
+    arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
     m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
@@ -201,34 +187,20 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    cmp = dict(BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS, CMP_BLOCK=config.cmp_block,
-               CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN)
-    imp = dict(TI=TI, JT=JT, JTP=_next_pow2(JT), KB=KB, SEL_BLOCK=config.sel_block, N_INIT=config.n_initial,
-               N_LOCAL=config.n_local, NP=NP, NPROG=NPROG, NPROGP=_next_pow2(NPROG))
-    if cfg["FUSED"]:
-        sync = _sync_buffer(sync, B, Hkv, dev)
-        items = BH * (SPLITS + NW + NPROG + N + G)
-        programs = items if cfg["PERSIST"] == 0 else min(items, cfg["PERSIST"] * _sm_count(dev))
-        wrap_triton(_step_kernel)[(programs,)](
-            q, k, v, k_cmp, v_cmp, k_win, v_win, pos, gates, o, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c,
-            cand, blocks, sync, sync if trace is None else trace, B, Hkv, T, Tc, NS, NT, w, scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3],
-            *k_win.stride()[:3], *v_win.stride()[:3],
-            **dims, **dots, **cmp, **imp, GP=_next_pow2(G), SPP=_next_pow2(SPLITS), NPP=_next_pow2(N + NW),
-            ADVANCE=advance, SLEEP=cfg["SLEEP"], TRACE=trace is not None, SYNC_PAD=SYNC_PAD,
-            **launch,
-        )
-        return o, blocks
     wrap_triton(_cmp_win_kernel)[(BH, SPLITS + NW)](
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, **cmp, **launch,
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
+        CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
+        **launch,
     )
     wrap_triton(_importance_kernel)[(BH, NPROG)](
         fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
-        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), JS=JS, BCL=BCL,
-        CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, N=N, **imp, num_warps=cfg["IW"],
+        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
+        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
+        NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"],
     )
     wrap_triton(_sel_kernel)[(BH, N)](
         q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
@@ -322,12 +294,10 @@ if HAS_TRITON:
                                        F32_DOT, IEEE)
         return m, l, acc
 
-    # --- the four phases, as functions of (kv head row bh, part): the kernels below run one each -----
-
     @triton.jit
-    def _cmp_win_item(
-        bh, part, q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a, m_c, l_c, acc_c,
-        Hkv, T, Tc, NT, w, scale,
+    def _cmp_win_kernel(
+        q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a, m_c, l_c, acc_c,
+        arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
@@ -335,7 +305,8 @@ if HAS_TRITON:
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr,
     ):
-        """A: compressed split part (< SPLITS) or window chunk part - SPLITS of kv head row bh."""
+        bh = tl.program_id(0)
+        part = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
@@ -372,6 +343,9 @@ if HAS_TRITON:
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
         else:
             chunk = part - SPLITS
+            if chunk == 0:
+                # Kernels run in order, so B starts with every counter at zero.
+                tl.store(arrived_ptr + bh, 0)
             start = pos - w + 1 + chunk * WCH
             m, l, acc = _attend_range(q_rd, kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h,
                                       skw_t, svw_t, tl.maximum(start, 0), tl.minimum(start + WCH, pos + 1), scale,
@@ -379,19 +353,17 @@ if HAS_TRITON:
             _store_partial(m_c, l_c, acc_c, bh * (N + NW) + N + chunk, m, l, acc, ROWS, DVP)
 
     @triton.jit
-    def _importance_item(
-        bh, prog, fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr, count_ptr, last, blocks_ptr, Hkv, T, Tc, NS, NT,
+    def _importance_kernel(
+        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr, arrived_ptr, blocks_ptr, Hkv, T, Tc, NS, NT,
         G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROG: tl.constexpr,
-        NPROGP: tl.constexpr, PUBLISH: tl.constexpr,
+        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
     ):
-        """B: selection keys of the blocks of TI tiles and their top n (stored as candidates); the
-        program whose count at count_ptr (kv head row bh's) returns last then picks the top n of all NPROG
-        programs' candidates (_top_n) and, with PUBLISH, counts once more when blocks are stored.
-        Reads at L2 (.cg): in the fused kernel other programs of this launch wrote them."""
-        t0 = prog * TI
+        """Selection keys of the blocks of TI tiles and their top n (stored); the last program of
+        a kv head to finish then picks the top n of those candidates (_top_n)."""
+        bh = tl.program_id(0)
+        t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
         n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
         # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
@@ -400,8 +372,8 @@ if HAS_TRITON:
         sp = tl.arange(0, SPP)
         # lse of each row from A's partials.
         part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
-        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"), cache_modifier=".cg")
-        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0, cache_modifier=".cg")
+        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
+        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0)
         m_g = tl.max(m_sg, axis=0)
         m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
         den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
@@ -416,68 +388,21 @@ if HAS_TRITON:
             t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
             row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
             ok = (g[:, None] < G) & t_ok[None, :]
-            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0,
-                             cache_modifier=".cg")
+            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
+            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
             imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
         j = t * JT + col
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
         # Every key of the kv head's top n is among its program's top n.
         slot = tl.arange(0, NP)
-        tl.store(cand_ptr + (bh * NPROG + prog) * NP + slot, tl.topk(key, NP))
+        tl.store(cand_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * NP + slot, tl.topk(key, NP))
         # The last program of this kv head to get here sees every candidate (the barrier orders
         # the program's stores before its count; acq_rel publishes them and acquires the others').
         tl.debug_barrier()
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == last:
-            _top_n(cand_ptr, blocks_ptr, bh, NS, NPROG, N, NP, NPROGP)
-            if PUBLISH:
-                _arrive(count_ptr)
-
-    @triton.jit
-    def _sel_item(
-        bh, part, q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
-    ):
-        """S: the selected block in slot part of kv head row bh."""
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        pos = _load_pos(pos_ptr, b, T)
-        blk = tl.load(blocks_ptr + bh * N + part, cache_modifier=".cg")
-        lo = tl.maximum(blk, 0) * SEL_BLOCK
-        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
-        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
-                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
-        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
-
-    @triton.jit
-    def _combine_item(
-        bh, g, m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr,
-        G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, SPLITS: tl.constexpr,
-        SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
-    ):
-        """D: query head g of kv head row bh."""
-        ra = bh * SPLITS * ROWS + g
-        o_cmp = _merge(m_a + ra, l_a + ra, acc_a + ra * DVP, 0, SPLITS, SPP, ROWS, DVP)
-        rc = bh * NP * ROWS + g
-        o_sel = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, 0, N, NPP, ROWS, DVP)
-        o_win = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, N, NP, NPP, ROWS, DVP)
-        gate = gates_ptr + (bh * G + g) * 3
-        o = (tl.load(gate).to(tl.float32) * o_cmp + tl.load(gate + 1).to(tl.float32) * o_sel
-             + tl.load(gate + 2).to(tl.float32) * o_win)
-        dv = tl.arange(0, DVP)
-        tl.store(o_ptr + (bh * G + g) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
-
-    @triton.jit
-    def _advance_pos(pos_ptr, B):
-        for b0 in range(0, B, 1024):
-            bb = b0 + tl.arange(0, 1024)
-            tl.store(pos_ptr + bb, tl.load(pos_ptr + bb, mask=bb < B) + 1, mask=bb < B)
+        done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -503,57 +428,6 @@ if HAS_TRITON:
         tl.store(blocks_ptr + bh * N + slot, tl.where(top >= 0, NS - 1 - top % 4294967296, -1), mask=slot < N)
 
     @triton.jit
-    def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
-        """Softmax-merges the flash partials first..last-1 of one row (pointers at that row): [DVP]."""
-        i = tl.arange(0, PP)
-        ok = (i >= first) & (i < last)
-        m = tl.load(m_ptr + i * ROWS, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(m, axis=0)
-        wt = tl.where(ok, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
-        den = tl.sum(tl.load(l_ptr + i * ROWS, mask=ok, other=0.0, cache_modifier=".cg") * wt, axis=0)
-        acc = tl.load(acc_ptr + i[:, None] * (ROWS * DVP) + tl.arange(0, DVP)[None, :], mask=ok[:, None], other=0.0,
-                      cache_modifier=".cg")
-        # No visible key (the cmp branch before the first block): the branch gives 0.
-        return tl.sum(acc * wt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
-
-    # --- four launches --------------------------------------------------------------------------
-
-    @triton.jit
-    def _cmp_win_kernel(
-        q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a, m_c, l_c, acc_c,
-        arrived_ptr, Hkv, T, Tc, NT, w, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
-        G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-        DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
-        JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
-        CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, BN: tl.constexpr,
-    ):
-        bh = tl.program_id(0)
-        part = tl.program_id(1)
-        if part == SPLITS:
-            # Kernels run in order, so B starts with every counter at zero.
-            tl.store(arrived_ptr + bh, 0)
-        _cmp_win_item(bh, part, q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a,
-                      m_c, l_c, acc_c, Hkv, T, Tc, NT, w, scale, sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                      skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, G, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, BC, BCL,
-                      JS, JSP, SPLITS, CMP_BLOCK, CMP_STRIDE, R, M_CMP, N, NW, WCH, BN)
-
-    @triton.jit
-    def _importance_kernel(
-        fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr, arrived_ptr, blocks_ptr, Hkv, T, Tc, NS, NT,
-        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
-        TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
-        BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-        N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROG: tl.constexpr,
-        NPROGP: tl.constexpr,
-    ):
-        _importance_item(tl.program_id(0), tl.program_id(1), fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr,
-                         arrived_ptr + tl.program_id(0), NPROG - 1, blocks_ptr, Hkv, T, Tc, NS, NT, G, GP, ROWS, SPLITS, SPP, TI, JT,
-                         JTP, JS, KB, BCL, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_INIT, N_LOCAL, N, NP, NPROG, NPROGP,
-                         False)
-
-    @triton.jit
     def _sel_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
@@ -561,146 +435,52 @@ if HAS_TRITON:
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
     ):
-        _sel_item(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c,
-                  Hkv, T, scale, sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, G, ROWS, DK, DKP, DV, DVP,
-                  F32_DOT, IEEE, N, NW, SEL_BLOCK, BN)
+        bh = tl.program_id(0)
+        part = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        pos = _load_pos(pos_ptr, b, T)
+        blk = tl.load(blocks_ptr + bh * N + part)
+        lo = tl.maximum(blk, 0) * SEL_BLOCK
+        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
+        q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
+        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
+                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
+
+    @triton.jit
+    def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
+        """Softmax-merges the flash partials first..last-1 of one row (pointers at that row): [DVP]."""
+        i = tl.arange(0, PP)
+        ok = (i >= first) & (i < last)
+        m = tl.load(m_ptr + i * ROWS, mask=ok, other=float("-inf"))
+        top = tl.max(m, axis=0)
+        wt = tl.where(ok, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
+        den = tl.sum(tl.load(l_ptr + i * ROWS, mask=ok, other=0.0) * wt, axis=0)
+        acc = tl.load(acc_ptr + i[:, None] * (ROWS * DVP) + tl.arange(0, DVP)[None, :], mask=ok[:, None], other=0.0)
+        # No visible key (the cmp branch before the first block): the branch gives 0.
+        return tl.sum(acc * wt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
 
     @triton.jit
     def _combine_kernel(
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr, pos_ptr, B,
-        ADVANCE: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        SPLITS: tl.constexpr, SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
+        ADVANCE: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, SPLITS: tl.constexpr,
+        SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
     ):
         bh = tl.program_id(0)
         g = tl.program_id(1)
-        _combine_item(bh, g, m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr, G, ROWS, DV, DVP, SPLITS, SPP, N,
-                      NP, NPP)
+        ra = bh * SPLITS * ROWS + g
+        o_cmp = _merge(m_a + ra, l_a + ra, acc_a + ra * DVP, 0, SPLITS, SPP, ROWS, DVP)
+        rc = bh * NP * ROWS + g
+        o_sel = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, 0, N, NPP, ROWS, DVP)
+        o_win = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, N, NP, NPP, ROWS, DVP)
+        gate = gates_ptr + (bh * G + g) * 3
+        o = (tl.load(gate).to(tl.float32) * o_cmp + tl.load(gate + 1).to(tl.float32) * o_sel
+             + tl.load(gate + 2).to(tl.float32) * o_win)
+        dv = tl.arange(0, DVP)
+        tl.store(o_ptr + (bh * G + g) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
         if ADVANCE & (bh == 0) & (g == 0):
             # A, B and S, the readers of pos, are done: kernels of one stream run in order.
-            _advance_pos(pos_ptr, B)
-
-    # --- one launch -------------------------------------------------------------------------------
-
-    @triton.jit
-    def _arrive(count_ptr):
-        """Counts this program's work as done: the barrier orders all its threads' stores before
-        the count, which releases them at gpu scope."""
-        tl.debug_barrier()
-        tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-
-    @triton.jit
-    def _wait_for(count_ptr, target, SLEEP: tl.constexpr):
-        """Waits until count_ptr reaches target (acquire: what the counted programs stored is visible).
-        Only ever waits on programs holding earlier tickets, which are running or done. One
-        thread polls (Triton runs a scalar atomic on one thread and broadcasts the result
-        through shared memory, with a CTA barrier), so all threads leave the loop together and
-        after the acquire."""
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            _nanosleep(SLEEP)
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-
-    @triton.jit
-    def _nanosleep(SLEEP: tl.constexpr):
-        """Backs a poll off for about SLEEP ns (0: not at all), so waiting programs leave the
-        counter's L2 slice to the others."""
-        if SLEEP > 0:
-            tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [tl.full([], SLEEP, tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _now():
-        """The GPU's global timer (ns), for TRACE."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-    @triton.jit
-    def _smid():
-        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _step_kernel(
-        q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, gates_ptr, o_ptr, fold_ptr, mt_ptr,
-        m_a, l_a, acc_a, m_c, l_c, acc_c, cand_ptr, blocks_ptr, sync_ptr, trace_ptr, B, Hkv, T, Tc, NS, NT, w, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skc_b, skc_h, skc_t, svc_b, svc_h, svc_t,
-        skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
-        G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-        DV: tl.constexpr, DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr,
-        BCL: tl.constexpr, JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr,
-        CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr,
-        NW: tl.constexpr, WCH: tl.constexpr, BN: tl.constexpr, TI: tl.constexpr, JT: tl.constexpr,
-        JTP: tl.constexpr, KB: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-        NP: tl.constexpr, NPROG: tl.constexpr, NPROGP: tl.constexpr, NPP: tl.constexpr, ADVANCE: tl.constexpr,
-        SLEEP: tl.constexpr, TRACE: tl.constexpr, SYNC_PAD: tl.constexpr,
-    ):
-        """A, B, S and D in one launch. A program takes a ticket (an atomic count) and with it a
-        work item: first every A item, then every B, S and D item, kv head row by row. An item
-        waits on its row's count (sync[2 + bh]) for the items it reads: B for A's, S for the
-        top n, D for S's. Those hold earlier tickets, so they are running or done whatever the
-        order the hardware starts programs in, and every wait ends. The last program to finish
-        (a second count) resets the counts for the next launch and advances pos."""
-        BH = B * Hkv
-        NA: tl.constexpr = SPLITS + NW
-        TOTAL = BH * (NA + NPROG + N + G)
-        count = sync_ptr + 2 * SYNC_PAD
-        t_entry = _now() if TRACE else 0
-        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-        while ticket < TOTAL:
-            t_ticket = _now() if TRACE else 0
-            t_ready = t_ticket
-            if ticket < BH * NA:
-                bh = ticket // NA
-                _cmp_win_item(bh, ticket % NA, q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr,
-                              m_a, l_a, acc_a, m_c, l_c, acc_c, Hkv, T, Tc, NT, w, scale, sq_b, sq_h, sq_g, skc_b,
-                              skc_h, skc_t, svc_b, svc_h, svc_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, G, ROWS,
-                              DK, DKP, DV, DVP, F32_DOT, IEEE, BC, BCL, JS, JSP, SPLITS, CMP_BLOCK, CMP_STRIDE, R,
-                              M_CMP, N, NW, WCH, BN)
-                _arrive(count + bh * SYNC_PAD)
-            elif ticket < BH * (NA + NPROG):
-                item = ticket - BH * NA
-                bh = item // NPROG
-                _wait_for(count + bh * SYNC_PAD, NA, SLEEP)
-                t_ready = _now() if TRACE else 0
-                _importance_item(bh, item % NPROG, fold_ptr, mt_ptr, m_a, l_a, pos_ptr, cand_ptr, count + bh * SYNC_PAD,
-                                 NA + NPROG - 1, blocks_ptr, Hkv, T, Tc, NS, NT, G, GP, ROWS, SPLITS, SPP, TI, JT,
-                                 JTP, JS, KB, BCL, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_INIT, N_LOCAL, N, NP, NPROG,
-                                 NPROGP, True)
-            elif ticket < BH * (NA + NPROG + N):
-                item = ticket - BH * (NA + NPROG)
-                bh = item // N
-                # + 1: the last B item's count after it stored the top n.
-                _wait_for(count + bh * SYNC_PAD, NA + NPROG + 1, SLEEP)
-                t_ready = _now() if TRACE else 0
-                _sel_item(bh, item % N, q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
-                          sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, G, ROWS, DK, DKP, DV, DVP, F32_DOT,
-                          IEEE, N, NW, SEL_BLOCK, BN)
-                _arrive(count + bh * SYNC_PAD)
-            else:
-                item = ticket - BH * (NA + NPROG + N)
-                bh = item // G
-                _wait_for(count + bh * SYNC_PAD, NA + NPROG + 1 + N, SLEEP)
-                t_ready = _now() if TRACE else 0
-                _combine_item(bh, item % G, m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr, G, ROWS, DV, DVP,
-                              SPLITS, SPP, N, N + NW, NPP)
-            if TRACE:
-                # (ticket, SM, entry, ticket taken, wait over, work done): ns of the global timer.
-                row = trace_ptr + ticket.to(tl.int64) * 6
-                tl.store(row, ticket.to(tl.int64))
-                tl.store(row + 1, _smid().to(tl.int64))
-                tl.store(row + 2, t_entry)
-                tl.store(row + 3, t_ticket)
-                tl.store(row + 4, t_ready)
-                tl.store(row + 5, _now())
-            t_entry = _now() if TRACE else 0
-            ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
-        finished = tl.atomic_add(sync_ptr + SYNC_PAD, 1, sem="acq_rel", scope="gpu")
-        if finished == tl.num_programs(0) - 1:
-            # Every program is done (every ticket is taken, every wait over): back to zero for the
-            # next launch; pos, read by all of them, moves on.
-            tl.store(sync_ptr, 0)
-            tl.store(sync_ptr + SYNC_PAD, 0)
-            for i0 in range(0, BH, 1024):
-                i = i0 + tl.arange(0, 1024)
-                tl.store(count + i * SYNC_PAD, tl.zeros([1024], tl.int32), mask=i < BH)
-            if ADVANCE:
-                _advance_pos(pos_ptr, B)
+            for b0 in range(0, B, 1024):
+                bb = b0 + tl.arange(0, 1024)
+                tl.store(pos_ptr + bb, tl.load(pos_ptr + bb, mask=bb < B) + 1, mask=bb < B)
