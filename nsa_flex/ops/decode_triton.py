@@ -56,8 +56,12 @@ changed nothing. The fused cubin is 430 KB, the four kernels' together as large;
 is that the phases' code no longer stays in the SMs' instruction caches. Not measured.
 
 Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
-as flash does; the fold dot runs in fp32 (ieee). Scratch (partials, folded probabilities,
-counters) is allocated per call, so under torch.compile it lives in the CUDA graph's pool.
+as flash does; the fold dot runs in fp32 (ieee). On tensor cores (tf32, or p in bf16; a
+switch not kept) it made A 1 us faster at B=1 but no faster at B=8, 64k, and 2-4 us slower at
+128k (the op 18.7 / 48.7 / 73.4 us against 18.8 / 47.3 / 69.5 at B=1 64k / B=8 64k / B=8 128k;
+..._decode_tiles_s9_fold_tensor_cores.json): not worth a selection that leaves fp32's at
+near-ties. Scratch (partials, folded probabilities, counters) is allocated per call, so under
+torch.compile it lives in the CUDA graph's pool.
 Work depends on pos (a tensor), never the grid: one graph serves every position.
 
 Limits: the tail sorts cdiv(T / l' / JT, TI) * next_pow2(n) candidates in one program (256 at
