@@ -178,6 +178,15 @@ def test_kernels_interpreted_one_split_per_tile():
 
 
 @interpreter
+def test_kernels_interpreted_window_in_a():
+    # WS=0: the window chunks run in A's grid, after its splits, instead of S's (the default);
+    # separate window caches, so that reading k/v instead of k_win/v_win would show.
+    for name in ("g16-paper", "g1-separate-kv"):
+        cfg, T = CONFIGS[name]
+        check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles={"WS": 0})
+
+
+@interpreter
 def test_kernels_interpreted_block_past_the_tiles():
     # T = 1040: 64 compressed entries fill whole tiles; the 17th selection block (tokens
     # 1024..1039) lies past every tile, yet the last entry reaches into it. With no local
@@ -230,6 +239,62 @@ def test_kernels_gpu(name, B, dtype):
         check_kernels(cfg, T, positions, dtype, "cuda", seed)
     for where, positions in POSITIONS.items():
         check_kernels(cfg, T, [p % T for p in positions], dtype, "cuda")
+
+
+LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
+                   for t in ({"PDL": 0}, {"WS": 0}, {"PDL": 0, "WS": 0})]
+
+
+@gpu
+@pytest.mark.parametrize("tiles", LAUNCH_VARIANTS)
+@pytest.mark.parametrize("name", ["g16-paper", "g1-separate-kv"])
+def test_kernels_gpu_launch_variants(name, tiles):
+    # The defaults (PDL=1, WS=1) run in test_kernels_gpu; these are the other launch layouts.
+    if not decode_triton.HAS_TRITON or _interpreting():
+        pytest.skip("needs compiled Triton kernels")
+    cfg, T = CONFIGS[name]
+    check_kernels(cfg, T, [T - 1, 100, 511, 1 % T], torch.bfloat16, "cuda", tiles=tiles)
+
+
+@gpu
+def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote():
+    # PDL lets each kernel start before the previous one ends; only what comes from two
+    # launches back may be read before its wait. Here the kernels just before the op rewrite
+    # its inputs (q, the window cache, pos) on every replay of one CUDA graph: every replay must
+    # give exactly what the launches without PDL give on the same inputs (same arithmetic, so
+    # bitwise), and the next replay's fresh inputs must not leak into it or be missed.
+    if not decode_triton.HAS_TRITON or _interpreting():
+        pytest.skip("needs compiled Triton kernels")
+    cfg, T = CONFIGS["g16-paper"]
+    B = 4
+    inputs = make_inputs(cfg, B, T, torch.bfloat16, "cuda")
+    q, k, v, k_win, v_win, k_cmp, v_cmp, gates = (x.clone() for x in inputs)
+    pos = torch.zeros(B, dtype=torch.int64, device="cuda")
+    src = {"q": q.clone(), "k": k.clone(), "pos": pos.clone()}
+    scale = q.shape[-1] ** -0.5
+
+    def step():
+        q.copy_(src["q"])
+        k.copy_(src["k"])
+        pos.copy_(src["pos"])
+        return decode_triton.decode_attend_triton(q, k, v, k, v, k_cmp, v_cmp, pos, gates, scale, cfg)
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph, blocks_graph = step()
+    for i in range(8):
+        src["q"].copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        src["k"].copy_(torch.randn(k.shape, generator=gen, device="cuda"))
+        src["pos"].copy_(torch.randint(0, T, (B,), generator=gen, device="cuda"))
+        graph.replay()
+        o_got, blocks_got = o_graph.clone(), blocks_graph.clone()
+        o_want, blocks_want = decode_triton.decode_attend_triton(
+            src["q"], src["k"], v, src["k"], v, k_cmp, v_cmp, src["pos"], gates, scale, cfg, {"PDL": 0})
+        assert torch.equal(sort_block_indices(blocks_got), sort_block_indices(blocks_want)), f"replay {i}"
+        assert torch.equal(o_got, o_want), f"replay {i}: {(o_got.float() - o_want.float()).abs().max():.3e}"
 
 
 @gpu
@@ -514,6 +579,8 @@ def test_phi_step_refuses_another_phi():
     ({"BC": 48}, "must be a power of two"),
     ({"BC": 2}, "must be a power of two >= l'/d = 4"),
     ({"TI": 3}, "TI=3 must be a power of two"),
+    ({"WS": 2}, "WS=2 must be 0 or 1"),
+    ({"PDL": -1}, "PDL=-1 must be 0 or 1"),
 ])
 def test_bad_tiles(tiles, message):
     # Checked before anything launches: the error names the key or the rule.

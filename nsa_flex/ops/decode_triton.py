@@ -90,7 +90,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "PDL", "WS")
 
 
 def _next_pow2(x: int) -> int:
@@ -112,7 +112,10 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     one warp took 3.1 / 3.5 us against 4.3 / 6.9 with four at B=1 / B=8 (40 and 88 partials per
     row), but 12.5 us at B=1, 128k (152 partials), hence the warps by partial count; B with
     128 keys per program (TI=8) 5.0 / 6.3 us against 5.7 / 7.9 with 64; other warp counts of
-    B and S were no faster."""
+    B and S were no faster.
+
+    PDL: programmatic dependent launch of A, B, S and D (sm_90 and newer; see _pdl_wait). WS: the
+    window programs run in S's grid (before S waits for B) instead of A's."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
@@ -121,7 +124,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
-            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2}
+            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1, "WS": 1}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -152,13 +155,16 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
+    for key in ("PDL", "WS"):
+        if cfg[key] not in (0, 1):
+            raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
     NT = _cdiv(Tc, BCL)
     w = min(config.window, T)
     NW = _cdiv(w, WCH)
-    dev, f32 = q.device, torch.float32
+    dev = q.device
     ROWS, DKP, DVP = max(16, _next_pow2(G)), max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
     out_dtype = q.dtype
     q = q.to(k.dtype)
@@ -169,10 +175,6 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
             raise ValueError("advance=True updates pos in place: pos must be contiguous")
         pos = pos.contiguous()
     BH = B * Hkv
-    m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
-    acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
-    fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
-    m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
     # B's programs take TI tiles of JT blocks each (blocks past the NT tiles take the last
     # tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet) and store the top
     # n of their keys; enough tiles that a program holds at least n keys.
@@ -181,17 +183,25 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     NP = _next_pow2(N)
     TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
     NPROG = _cdiv(NTI, TI)
+    # The fp32 scratch is one allocation: S's window programs write their partials before S
+    # waits for B (WS with PDL), so that memory must not be one the allocator could have given
+    # a buffer B still reads; a view of A's live partials cannot be.
+    m_a, l_a, acc_a, fold, m_tile, m_c, l_c, acc_c = _scratch(
+        ((BH, SPLITS, ROWS), (BH, SPLITS, ROWS), (BH, SPLITS, ROWS, DVP), (BH, NT, G, JS), (BH, NT, G),
+         (BH, N + NW, ROWS), (BH, N + NW, ROWS), (BH, N + NW, ROWS, DVP)), dev)
     cand = torch.empty((BH, NPROG, NP), dtype=torch.int64, device=dev)
     # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
     arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
-    m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
-    acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
     o = torch.empty((B, Hkv, G, Dv), dtype=out_dtype, device=dev)
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    wrap_triton(_cmp_win_kernel)[(BH, SPLITS + NW)](
+    pdl = bool(cfg["PDL"]) and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    ws = bool(cfg["WS"])
+    # launch_pdl only where the kernels wait (the interpreter knows neither).
+    pdl_args = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args)
+    wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if ws else NW))](
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
@@ -204,20 +214,34 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
-        NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"],
+        NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"], **pdl_args,
     )
-    wrap_triton(_sel_kernel)[(BH, N)](
-        q, k, v, pos, blocks, m_c, l_c, acc_c, Hkv, T, scale,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        **dims, **dots, N=N, NW=NW, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
-        num_stages=cfg["num_stages"],
+    wrap_triton(_sel_win_kernel)[(BH, N + (NW if ws else 0))](
+        q, k, v, k_win, v_win, pos, blocks, m_c, l_c, acc_c, Hkv, T, w, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
+        **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
+        num_stages=cfg["num_stages"], **pdl_args,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
         ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
-        NPP=_next_pow2(N + NW), num_warps=cfg["DW"],
+        NPP=_next_pow2(N + NW), num_warps=cfg["DW"], **pdl_args,
     )
     return o, blocks
+
+
+def _scratch(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> list[torch.Tensor]:
+    """fp32 tensors of these shapes, views of one allocation."""
+    sizes = [_numel(shape) for shape in shapes]
+    flat = torch.empty((sum(sizes),), dtype=torch.float32, device=device)
+    return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 if HAS_TRITON:
@@ -230,6 +254,28 @@ if HAS_TRITON:
             return tl.dot(a, b, input_precision="ieee")
         else:
             return tl.dot(a, b)
+
+    @triton.jit
+    def _pdl_wait(after, PDL: tl.constexpr):
+        """Programmatic dependent launch: waits until the previous kernel has finished and its
+        writes are visible, then lets the next kernel launch. Returns 0 (int32), which the caller
+        adds into the address of every load of an earlier kernel's result. The asm is marked
+        pure, so only that data dependency orders those loads after it (and ptxas keeps memory
+        operations on their side of griddepcontrol.wait): an impure asm makes torch's mutation
+        analysis of the kernel give up and assume every argument written, the caches included.
+        after: an int32 scalar for the asm's input, a program id: an input derived from loaded
+        data would make that mutation analysis count the loaded argument as written too (it
+        follows stored addresses back through every operand).
+
+        Every kernel waits before it lets the next launch, so a kernel that starts early finds
+        the kernel two launches back finished: what it reads before its own wait must come from
+        there or earlier."""
+        z = 0
+        if PDL:
+            z = tl.inline_asm_elementwise(
+                "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", "=r,r",
+                [after], dtype=tl.int32, is_pure=True, pack=1)
+        return z
 
     @triton.jit
     def _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
@@ -307,12 +353,16 @@ if HAS_TRITON:
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
         JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, BN: tl.constexpr,
+        WCH: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
     ):
-        bh = tl.program_id(0)
+        # Everything A reads may come from the kernel just before it: it waits first.
+        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         part = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
+        if part == 0:
+            # Kernels run in order, so B starts with every counter at zero.
+            tl.store(arrived_ptr + bh, 0)
         pos = _load_pos(pos_ptr, b, T)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
         if part < SPLITS:
@@ -346,15 +396,21 @@ if HAS_TRITON:
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
         else:
-            chunk = part - SPLITS
-            if chunk == 0:
-                # Kernels run in order, so B starts with every counter at zero.
-                tl.store(arrived_ptr + bh, 0)
-            start = pos - w + 1 + chunk * WCH
-            m, l, acc = _attend_range(q_rd, kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h,
-                                      skw_t, svw_t, tl.maximum(start, 0), tl.minimum(start + WCH, pos + 1), scale,
-                                      ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
-            _store_partial(m_c, l_c, acc_c, bh * (N + NW) + N + chunk, m, l, acc, ROWS, DVP)
+            _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - SPLITS, w, scale,
+                          skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
+                          WCH, BN)
+
+    @triton.jit
+    def _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, chunk, w, scale,
+                      skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS: tl.constexpr, DK: tl.constexpr,
+                      DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, F32_DOT: tl.constexpr,
+                      IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr, WCH: tl.constexpr, BN: tl.constexpr):
+        """The window branch's partial over one chunk of the last w tokens, stored after S's."""
+        start = pos - w + 1 + chunk * WCH
+        m, l, acc = _attend_range(q_rd, kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h,
+                                  skw_t, svw_t, tl.maximum(start, 0), tl.minimum(start + WCH, pos + 1), scale,
+                                  ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + N + chunk, m, l, acc, ROWS, DVP)
 
     @triton.jit
     def _importance_kernel(
@@ -363,12 +419,15 @@ if HAS_TRITON:
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
         N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Selection keys of the blocks of TI tiles and their top n (stored); the last program of
         a kv head to finish then picks the top n of those candidates (_top_n)."""
         bh = tl.program_id(0)
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
+        # Below: A's results.
+        bh = bh + _pdl_wait(tl.program_id(1), PDL)
         n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
         # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
         # the next tile); keys -1 past the query's own block.
@@ -432,36 +491,45 @@ if HAS_TRITON:
         tl.store(blocks_ptr + bh * N + slot, tl.where(top >= 0, NS - 1 - top % 4294967296, -1), mask=slot < N)
 
     @triton.jit
-    def _sel_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, scale,
-        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+    def _sel_win_kernel(
+        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, w, scale,
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        SEL_BLOCK: tl.constexpr, BN: tl.constexpr,
+        WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
     ):
+        """Programs part < N: the selected block B chose in slot part. Past them (WS): the window
+        chunks, which need nothing of B and never wait for it."""
         bh = tl.program_id(0)
         part = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
-        blk = tl.load(blocks_ptr + bh * N + part)
-        lo = tl.maximum(blk, 0) * SEL_BLOCK
-        hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
-                                  lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
-        _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
+        if part < N:
+            blk = tl.load(blocks_ptr + (bh + _pdl_wait(part, PDL)) * N + part)
+            lo = tl.maximum(blk, 0) * SEL_BLOCK
+            hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
+            m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
+                                      lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
+            _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
+        else:
+            _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - N, w, scale,
+                          skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
+                          WCH, BN)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
-        """Softmax-merges the flash partials first..last-1 of one row (pointers at that row): [DVP]."""
+        """Softmax-merges the flash partials first..last-1 of one row (pointers at that row): [DVP].
+        Loads at L2 (.cg): with PDL, D merges A's partials while S still runs."""
         i = tl.arange(0, PP)
         ok = (i >= first) & (i < last)
-        m = tl.load(m_ptr + i * ROWS, mask=ok, other=float("-inf"))
+        m = tl.load(m_ptr + i * ROWS, mask=ok, other=float("-inf"), cache_modifier=".cg")
         top = tl.max(m, axis=0)
         wt = tl.where(ok, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
-        den = tl.sum(tl.load(l_ptr + i * ROWS, mask=ok, other=0.0) * wt, axis=0)
-        acc = tl.load(acc_ptr + i[:, None] * (ROWS * DVP) + tl.arange(0, DVP)[None, :], mask=ok[:, None], other=0.0)
+        den = tl.sum(tl.load(l_ptr + i * ROWS, mask=ok, other=0.0, cache_modifier=".cg") * wt, axis=0)
+        acc = tl.load(acc_ptr + i[:, None] * (ROWS * DVP) + tl.arange(0, DVP)[None, :], mask=ok[:, None], other=0.0,
+                      cache_modifier=".cg")
         # No visible key (the cmp branch before the first block): the branch gives 0.
         return tl.sum(acc * wt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
 
@@ -469,12 +537,15 @@ if HAS_TRITON:
     def _combine_kernel(
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr, pos_ptr, B,
         ADVANCE: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, SPLITS: tl.constexpr,
-        SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr,
+        SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, PDL: tl.constexpr,
     ):
         bh = tl.program_id(0)
         g = tl.program_id(1)
         ra = bh * SPLITS * ROWS + g
+        # A finished before S started, so its partials merge while S runs; S's after the wait.
         o_cmp = _merge(m_a + ra, l_a + ra, acc_a + ra * DVP, 0, SPLITS, SPP, ROWS, DVP)
+        z = _pdl_wait(g, PDL)
+        bh = bh + z
         rc = bh * NP * ROWS + g
         o_sel = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, 0, N, NPP, ROWS, DVP)
         o_win = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, N, NP, NPP, ROWS, DVP)
@@ -487,4 +558,4 @@ if HAS_TRITON:
             # A, B and S, the readers of pos, are done: kernels of one stream run in order.
             for b0 in range(0, B, 1024):
                 bb = b0 + tl.arange(0, 1024)
-                tl.store(pos_ptr + bb, tl.load(pos_ptr + bb, mask=bb < B) + 1, mask=bb < B)
+                tl.store(pos_ptr + bb + z, tl.load(pos_ptr + bb + z, mask=bb < B) + 1, mask=bb < B)
