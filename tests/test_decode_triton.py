@@ -253,7 +253,7 @@ def test_kernels_gpu_launch_variants(name, tiles):
     if not decode_triton.HAS_TRITON or _interpreting():
         pytest.skip("needs compiled Triton kernels")
     cfg, T = CONFIGS[name]
-    check_kernels(cfg, T, [T - 1, 100, 511, 1 % T], torch.bfloat16, "cuda", tiles=tiles)
+    check_kernels(cfg, T, [T - 1, 100, 511 % T, 1], torch.bfloat16, "cuda", tiles=tiles)
 
 
 @gpu

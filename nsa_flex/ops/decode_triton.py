@@ -219,7 +219,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     wrap_triton(_sel_win_kernel)[(BH, N + (NW if ws else 0))](
         q, k, v, k_win, v_win, pos, blocks, m_c, l_c, acc_c, Hkv, T, w, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, num_warps=cfg["SW"],
+        **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, num_warps=cfg["SW"],
         num_stages=cfg["num_stages"], **pdl_args,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
@@ -273,7 +273,9 @@ if HAS_TRITON:
         z = 0
         if PDL:
             z = tl.inline_asm_elementwise(
-                "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", "=r,r",
+                # One line: Inductor copies this source into a module of its own, where an escaped
+                # newline in a string breaks it.
+                "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                 [after], dtype=tl.int32, is_pure=True, pack=1)
         return z
 
@@ -496,17 +498,18 @@ if HAS_TRITON:
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+        WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """Programs part < N: the selected block B chose in slot part. Past them (WS): the window
-        chunks, which need nothing of B and never wait for it."""
+        """With WS, programs part < NW take the window chunks, which need nothing of B and never
+        wait for it (first in the grid, so that they are dispatched before the programs waiting
+        for B); the others the selected block B chose in slot part - NW. Without WS, only those."""
         bh = tl.program_id(0)
-        part = tl.program_id(1)
+        part = tl.program_id(1) - (NW if WS else 0)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
-        if part < N:
+        if part >= 0:
             blk = tl.load(blocks_ptr + (bh + _pdl_wait(part, PDL)) * N + part)
             lo = tl.maximum(blk, 0) * SEL_BLOCK
             hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
@@ -514,7 +517,7 @@ if HAS_TRITON:
                                       lo, hi, scale, ROWS, DK, DKP, DV, DVP, BN, F32_DOT, IEEE)
             _store_partial(m_c, l_c, acc_c, bh * (N + NW) + part, m, l, acc, ROWS, DVP)
         else:
-            _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - N, w, scale,
+            _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part + NW, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
                           WCH, BN)
 
