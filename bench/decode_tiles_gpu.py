@@ -37,9 +37,10 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
         "ti16": {"TI": 16},
         **{f"d_warps{n}": {"DW": n} for n in (1, 4) if n != base["DW"]},
         "s_warps8": {"SW": 8},
-        # Launch layout: programmatic dependent launch off; the window programs in A's grid.
+        # Launch layout: programmatic dependent launch off; the window programs in A's grid (WS=0) or S's.
         "no_pdl": {"PDL": 0},
         "window_in_a": {"WS": 0},
+        "window_in_s": {"WS": 1},
         "no_pdl_window_in_a": {"PDL": 0, "WS": 0},
     }
 

@@ -242,14 +242,14 @@ def test_kernels_gpu(name, B, dtype):
 
 
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
-                   for t in ({"PDL": 0}, {"WS": 0}, {"PDL": 0, "WS": 0})]
+                   for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1})]
 
 
 @gpu
 @pytest.mark.parametrize("tiles", LAUNCH_VARIANTS)
 @pytest.mark.parametrize("name", ["g16-paper", "g1-separate-kv"])
 def test_kernels_gpu_launch_variants(name, tiles):
-    # The defaults (PDL=1, WS=1) run in test_kernels_gpu; these are the other launch layouts.
+    # The defaults run in test_kernels_gpu; these are every launch layout.
     if not decode_triton.HAS_TRITON or _interpreting():
         pytest.skip("needs compiled Triton kernels")
     cfg, T = CONFIGS[name]
@@ -257,7 +257,8 @@ def test_kernels_gpu_launch_variants(name, tiles):
 
 
 @gpu
-def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote():
+@pytest.mark.parametrize("ws", [0, 1])
+def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote(ws):
     # PDL lets each kernel start before the previous one ends; only what comes from two
     # launches back may be read before its wait. Here the kernels just before the op rewrite
     # its inputs (q, the window cache, pos) on every replay of one CUDA graph: every replay must
@@ -277,7 +278,7 @@ def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote():
         q.copy_(src["q"])
         k.copy_(src["k"])
         pos.copy_(src["pos"])
-        return decode_triton.decode_attend_triton(q, k, v, k, v, k_cmp, v_cmp, pos, gates, scale, cfg)
+        return decode_triton.decode_attend_triton(q, k, v, k, v, k_cmp, v_cmp, pos, gates, scale, cfg, {"WS": ws})
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     step()
@@ -292,7 +293,7 @@ def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote():
         graph.replay()
         o_got, blocks_got = o_graph.clone(), blocks_graph.clone()
         o_want, blocks_want = decode_triton.decode_attend_triton(
-            src["q"], src["k"], v, src["k"], v, k_cmp, v_cmp, src["pos"], gates, scale, cfg, {"PDL": 0})
+            src["q"], src["k"], v, src["k"], v, k_cmp, v_cmp, src["pos"], gates, scale, cfg, {"PDL": 0, "WS": ws})
         assert torch.equal(sort_block_indices(blocks_got), sort_block_indices(blocks_want)), f"replay {i}"
         assert torch.equal(o_got, o_want), f"replay {i}: {(o_got.float() - o_want.float()).abs().max():.3e}"
 

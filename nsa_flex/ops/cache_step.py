@@ -30,6 +30,7 @@ if decode_triton.HAS_TRITON:
     import triton.language as tl
     from torch.library import wrap_triton
 
+    from nsa_flex.ops.decode_triton import _pdl_wait
     from nsa_flex.ops.phi_step import _phi_into
 
 
@@ -119,7 +120,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], SEPARATE=separate,
         HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None, HAS_B2V=b2_v is not None,
-        num_warps=8,
+        num_warps=8, **decode_triton.pdl_launch(k.device, True),
     )
 
 
@@ -132,10 +133,12 @@ if decode_triton.HAS_TRITON:
         skt_b, skt_h, svt_b, svt_h, skwt_b, skwt_h, svwt_b, svwt_h, skct_b, skct_h, svct_b, svct_h,
         L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, H1K: tl.constexpr,
         H1V: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr, HAS_B2K: tl.constexpr,
-        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr,
+        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, PDL: tl.constexpr,
     ):
-        """Program (sequence * kv head, side): side 0 writes and compresses the keys, side 1 the values."""
-        bh = tl.program_id(0)
+        """Program (sequence * kv head, side): side 0 writes and compresses the keys, side 1 the values.
+        With PDL it is launched before the kernel ahead of it ends and waits for it first (the
+        token's k/v come from there), then lets decode_attend's first kernel launch."""
+        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         b = bh // Hkv
         h = bh % Hkv
         # A position past the cache is a caller's bug (decode checks it eagerly); clamped, it

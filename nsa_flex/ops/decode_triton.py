@@ -114,8 +114,11 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     128 keys per program (TI=8) 5.0 / 6.3 us against 5.7 / 7.9 with 64; other warp counts of
     B and S were no faster.
 
-    PDL: programmatic dependent launch of A, B, S and D (sm_90 and newer; see _pdl_wait). WS: the
-    window programs run in S's grid (before S waits for B) instead of A's."""
+    PDL: programmatic dependent launch of A, B, S and D (sm_90 and newer; see _pdl_wait): the op
+    16.6 us against 19.8 at B=1, 56.4 against 59.1 at B=8 (64k, from a CUDA graph). WS: the window
+    programs run in S's grid, before S waits for B, instead of A's: 16.6 against 17.4 us at B=1
+    (4 kv heads), but 56.4 against 55.4 at B=8 (32), where S's grid is full without them
+    (bench/results/2026-11-25_h200_decode_tiles_s10_pdl.json); hence WS up to 16 kv heads."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
@@ -124,7 +127,8 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
-            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1, "WS": 1}
+            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
+            "WS": int(B * Hkv <= 16)}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -196,10 +200,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     o = torch.empty((B, Hkv, G, Dv), dtype=out_dtype, device=dev)
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
-    pdl = bool(cfg["PDL"]) and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     ws = bool(cfg["WS"])
-    # launch_pdl only where the kernels wait (the interpreter knows neither).
-    pdl_args = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    pdl_args = pdl_launch(dev, bool(cfg["PDL"]))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args)
     wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if ws else NW))](
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
@@ -228,6 +230,14 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         NPP=_next_pow2(N + NW), num_warps=cfg["DW"], **pdl_args,
     )
     return o, blocks
+
+
+def pdl_launch(device: torch.device, wanted: bool) -> dict:
+    """Launch arguments for a kernel with a PDL constexpr (see _pdl_wait): programmatic dependent
+    launch where wanted and the GPU has it (sm_90 and newer); launch_pdl only then, since the
+    interpreter knows neither."""
+    pdl = wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
 
 
 def _scratch(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> list[torch.Tensor]:
