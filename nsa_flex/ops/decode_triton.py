@@ -187,12 +187,17 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     NP = _next_pow2(N)
     TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
     NPROG = _cdiv(NTI, TI)
-    # The fp32 scratch is one allocation: S's window programs write their partials before S
-    # waits for B (WS with PDL), so that memory must not be one the allocator could have given
-    # a buffer B still reads; a view of A's live partials cannot be.
-    m_a, l_a, acc_a, fold, m_tile, m_c, l_c, acc_c = _scratch(
-        ((BH, SPLITS, ROWS), (BH, SPLITS, ROWS), (BH, SPLITS, ROWS, DVP), (BH, NT, G, JS), (BH, NT, G),
-         (BH, N + NW, ROWS), (BH, N + NW, ROWS), (BH, N + NW, ROWS, DVP)), dev)
+    f32 = torch.float32
+    m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
+    acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
+    fold = torch.empty((BH, NT, G, JS), dtype=f32, device=dev)
+    m_tile = torch.empty((BH, NT, G), dtype=f32, device=dev)
+    # S's window programs write these before S waits for B (WS with PDL): their memory must not
+    # be one a buffer B reads could still hold. A takes them as arguments, WS or not, so
+    # Inductor's memory planning keeps them alive (and apart from B's inputs) from A on. (One
+    # allocation with views made Inductor copy the views around every kernel: 45 us a step.)
+    m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
+    acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     cand = torch.empty((BH, NPROG, NP), dtype=torch.int64, device=dev)
     # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
     arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
@@ -238,20 +243,6 @@ def pdl_launch(device: torch.device, wanted: bool) -> dict:
     interpreter knows neither."""
     pdl = wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
-
-
-def _scratch(shapes: tuple[tuple[int, ...], ...], device: torch.device) -> list[torch.Tensor]:
-    """fp32 tensors of these shapes, views of one allocation."""
-    sizes = [_numel(shape) for shape in shapes]
-    flat = torch.empty((sum(sizes),), dtype=torch.float32, device=device)
-    return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 if HAS_TRITON:
