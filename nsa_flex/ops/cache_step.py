@@ -19,11 +19,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.library import triton_op
+from torch.library import custom_op
 
 from nsa_flex.ops import decode_triton
 from nsa_flex.ops.phi_step import _DTYPES, _phi_step_torch, phi_params
-from nsa_flex.ops.select import _quiet_without_triton
 
 if decode_triton.HAS_TRITON:
     import triton
@@ -89,10 +88,11 @@ def _cache_step_impl(
     _phi_step_torch(v_tail, v_cmp, pos, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
 
 
-with _quiet_without_triton():
-    _cache_step_op = triton_op(
-        "nsa_flex::cache_step", mutates_args=("k", "v", "k_win", "v_win", "k_tail", "v_tail", "k_cmp", "v_cmp"),
-    )(_cache_step_impl)
+# A custom_op, opaque to Inductor, not a triton_op: Inductor launches a triton_op's kernels
+# itself and drops launch_pdl on the way (ops/decode_triton.py, _pdl_wait).
+_cache_step_op = custom_op(
+    "nsa_flex::cache_step", mutates_args=("k", "v", "k_win", "v_win", "k_tail", "v_tail", "k_cmp", "v_cmp"),
+)(_cache_step_impl)
 
 
 @_cache_step_op.register_fake

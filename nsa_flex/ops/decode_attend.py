@@ -19,13 +19,12 @@ inside the op body (a register_kernel("cpu") fallback would be skipped under tor
 # No `from __future__ import annotations` here: torch.library reads the op's annotations.
 import torch
 from torch import Tensor
-from torch.library import triton_op
+from torch.library import custom_op
 from torch.nn import functional as F
 
 from nsa_flex.blocks import num_sel_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import decode_triton
-from nsa_flex.ops.select import _quiet_without_triton
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -71,9 +70,11 @@ def _decode_attend_impl(
     return o, blocks
 
 
-with _quiet_without_triton():
-    # pos is mutated only with advance=True; the schema has to say so either way.
-    _decode_attend_op = triton_op("nsa_flex::decode_attend", mutates_args=("pos",))(_decode_attend_impl)
+# pos is mutated only with advance=True; the schema has to say so either way. A custom_op,
+# opaque to Inductor, not a triton_op: Inductor launches a triton_op's kernels itself and drops
+# launch_pdl on the way, which cost the compiled step the ~3 us that PDL saves at B=1
+# (ops/decode_triton.py, _pdl_wait). Under a CUDA graph the op's Python runs only at capture.
+_decode_attend_op = custom_op("nsa_flex::decode_attend", mutates_args=("pos",))(_decode_attend_impl)
 
 
 @_decode_attend_op.register_fake

@@ -270,7 +270,10 @@ if HAS_TRITON:
 
         Every kernel waits before it lets the next launch, so a kernel that starts early finds
         the kernel two launches back finished: what it reads before its own wait must come from
-        there or earlier."""
+        there or earlier.
+
+        Only Triton's own launcher honours launch_pdl: Inductor, launching a triton_op's kernels
+        itself, drops it. So decode_attend and cache_step are custom_ops, opaque to Inductor."""
         z = 0
         if PDL:
             z = tl.inline_asm_elementwise(
