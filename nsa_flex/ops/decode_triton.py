@@ -214,7 +214,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
-        **launch,
+        WS=ws, **launch,
     )
     wrap_triton(_importance_kernel)[(BH, NPROG)](
         fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
@@ -359,16 +359,13 @@ if HAS_TRITON:
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
         JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+        WCH: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
     ):
         # Everything A reads may come from the kernel just before it: it waits first.
         bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         part = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
-        if part == 0:
-            # Kernels run in order, so B starts with every counter at zero.
-            tl.store(arrived_ptr + bh, 0)
         pos = _load_pos(pos_ptr, b, T)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
         if part < SPLITS:
@@ -401,7 +398,14 @@ if HAS_TRITON:
                          mask=(g[:, None] < G) & (jj[None, :] < JS))
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
+            if WS and part == 0:
+                # Kernels run in order, so B starts with every counter at zero. (Not at the
+                # kernel's start: there the store took A from 128 registers to 140, 3 programs
+                # per SM instead of 4, and A from 27 to 36 us at B=8, 64k.)
+                tl.store(arrived_ptr + bh, 0)
         else:
+            if part == SPLITS:
+                tl.store(arrived_ptr + bh, 0)
             _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - SPLITS, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
                           WCH, BN)
