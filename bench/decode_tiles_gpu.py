@@ -45,12 +45,22 @@ def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:
     }
 
 
+def parse_tiles(name: str) -> dict[str, int]:
+    """A variant given as its overrides: "SPLITS=8,num_stages=3"."""
+    try:
+        tiles = {key: int(value) for key, value in (item.split("=") for item in name.split(","))}
+    except ValueError:
+        raise SystemExit(f"unknown variant {name!r}: a name of variants() or KEY=INT[,KEY=INT...]") from None
+    return tiles
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cases", nargs="+", default=["1:65536", "8:65536", "8:131072"])
     p.add_argument("--commit", default="")
-    p.add_argument("--variants", nargs="*", help="only these variants (default: all)")
+    p.add_argument("--variants", nargs="*",
+                   help="only these variants (default: all), by name or as overrides KEY=INT[,KEY=INT...]")
     args = p.parse_args()
     rows: list[dict] = []
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
@@ -64,9 +74,9 @@ def main() -> None:
         q = q.contiguous()
         scale = cfg.head_dim ** -0.5
         ref = None
-        for name, tiles in variants(B, cfg.n_kv_heads, k_cmp.shape[2], cfg).items():
-            if args.variants and name not in args.variants:
-                continue
+        named = variants(B, cfg.n_kv_heads, k_cmp.shape[2], cfg)
+        chosen = {name: named[name] if name in named else parse_tiles(name) for name in args.variants or named}
+        for name, tiles in chosen.items():
             def op(tiles=tiles):
                 return decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cfg, tiles)
 
