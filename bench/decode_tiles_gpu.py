@@ -75,8 +75,9 @@ def main() -> None:
         scale = cfg.head_dim ** -0.5
         ref = None
         named = variants(B, cfg.n_kv_heads, k_cmp.shape[2], cfg)
-        chosen = {name: named[name] if name in named else parse_tiles(name) for name in args.variants or named}
-        for name, tiles in chosen.items():
+        # A list: a variant named twice (the default first and last) shows the drift over a run.
+        chosen = [(name, named[name] if name in named else parse_tiles(name)) for name in args.variants or named]
+        for name, tiles in chosen:
             def op(tiles=tiles):
                 return decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cfg, tiles)
 
