@@ -90,7 +90,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "PDL", "WS")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS")
 
 
 def _next_pow2(x: int) -> int:
@@ -207,7 +207,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
     ws = bool(cfg["WS"])
     pdl_args = pdl_launch(dev, bool(cfg["PDL"]))
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
+                  **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if ws else NW))](
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
