@@ -34,13 +34,26 @@ B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's par
    largest maxima (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8); that rank in the tail (B 13 us
    at B=1); a tail sorting the tile maxima, then those tiles' keys (B 5.3 / 7.1 us); the
    selected branch folded into C (13.6 us against 5.6 + 3.1).
-S  selected branch, grid (B*Hkv, n): each program attends over one chosen block's tokens <= pos.
+S  selected branch, grid (B*Hkv, n), or (B*Hkv, NW + n) with WS: each program attends over one
+   chosen block's tokens <= pos; with WS the window chunks come first, and run before S waits
+   for B.
    Two or four blocks per program were no faster (S 8.2 / 10.9 against 7.8 us at B=8, 64k;
    ..._decode_tiles_v5_sel_blocks_per_program.json).
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype. With
    advance, its first program then adds 1 to pos (the readers, A, B and S, are done), which
    saves a decode step its lengths kernel.
+
+Programmatic dependent launch (PDL, sm_90+; _pdl_wait): each kernel, cache_step's included, is
+launched before the one ahead of it ends, waits for it (griddepcontrol.wait), then lets the next
+one launch. Before its wait a kernel does what needs nothing of the kernel just ahead: B and S
+load pos and q, S's window programs (WS) run whole, D merges A's partials. On the H200 at 64k
+the op takes 17.4 us against 19.1 without PDL at B=1, and no less at B=8 (45-48 us either
+way); the compiled step 21.7 against 24.5 us at B=1 (..._decode_tiles_s10*.json,
+..._decode_s10.json). Inductor drops launch_pdl when it launches a triton_op's kernels, so the
+ops are custom_ops. A kernel change to remember: a store at A's start took it from 128
+registers to 140, 4 programs per SM to 3, and A from 27 to 36 us at B=8, 64k; capping A's
+registers (maxnreg 80-112) or one stage were all slower (..._tiles_s10_sweep_b8_regs.json).
 
 One launch instead of four, measured and dropped (H200, 64k, commit 88b130e,
 bench/results/2026-11-24_h200_decode_fused_v*): a kernel whose programs take work items (A,
@@ -114,11 +127,14 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     128 keys per program (TI=8) 5.0 / 6.3 us against 5.7 / 7.9 with 64; other warp counts of
     B and S were no faster.
 
-    PDL: programmatic dependent launch of A, B, S and D (sm_90 and newer; see _pdl_wait): the op
-    16.6 us against 19.8 at B=1, 56.4 against 59.1 at B=8 (64k, from a CUDA graph). WS: the window
-    programs run in S's grid, before S waits for B, instead of A's: 16.6 against 17.4 us at B=1
-    (4 kv heads), but 56.4 against 55.4 at B=8 (32), where S's grid is full without them
-    (bench/results/2026-11-25_h200_decode_tiles_s10_pdl.json); hence WS up to 16 kv heads."""
+    PDL: programmatic dependent launch (sm_90 and newer; see _pdl_wait): the op 17.4 / 18.4 us
+    against 19.1 / 19.3 without at B=1 (64k, from a CUDA graph; each variant timed first and last
+    in one run), 45.3 / 47.6 at B=8, where it makes no difference (47-48 either way). WS: the
+    window programs in S's grid, before S waits for B, instead of A's. Equal within the ~1 us
+    noise at B=1 (17.7 us with A's) and at B=8 (45.5 us with WS and 16 splits); kept for B*Hkv
+    <= 16, where S's grid has room (bench/results/2026-11-25_h200_decode_tiles_s10_sweep_b*.json).
+    Other splits (8-24), 3 stages, 8 warps, BN=32 were no faster at B=8. maxnreg caps A's
+    registers (a measurement knob: every cap tried was slower)."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
