@@ -103,7 +103,7 @@ B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per progra
 partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
-TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS")
+TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS", "FS")
 
 
 def _next_pow2(x: int) -> int:
@@ -144,7 +144,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
-            "WS": int(B * Hkv <= 16)}
+            "WS": int(B * Hkv <= 16), "FS": 0}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -175,7 +175,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
-    for key in ("PDL", "WS"):
+    for key in ("PDL", "WS", "FS"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
@@ -221,7 +221,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     o = torch.empty((B, Hkv, G, Dv), dtype=out_dtype, device=dev)
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
-    ws = bool(cfg["WS"])
+    ws, fs = bool(cfg["WS"]), bool(cfg["FS"])
     pdl_args = pdl_launch(dev, bool(cfg["PDL"]))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
@@ -229,7 +229,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         q, k_cmp, v_cmp, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, BC=BC, BCL=BCL, JS=JS, JSP=max(16, _next_pow2(JS)), SPLITS=SPLITS,
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, FW=max(16, _next_pow2(JT if fs else JS)), FWU=JT if fs else JS,
+        SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         WS=ws, **launch,
     )
@@ -374,7 +375,7 @@ if HAS_TRITON:
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
-        JS: tl.constexpr, JSP: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
+        JS: tl.constexpr, FW: tl.constexpr, FWU: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -394,9 +395,11 @@ if HAS_TRITON:
             dv = tl.arange(0, DVP)
             cc = tl.arange(0, BC)
             # Fold weights: entry c of a tile covers chunks c .. c+M-1, block j of it chunks jR .. jR+R-1.
-            jj = tl.arange(0, JSP)
+            # The dot fills columns < FWU (JS, or with FS the tile's own JT blocks); the columns
+            # past them, reached by the tile's last entries, come from row sums.
+            jj = tl.arange(0, FW)
             wt = tl.minimum(cc[:, None] + M_CMP, jj[None, :] * R + R) - tl.maximum(cc[:, None], jj[None, :] * R)
-            wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < JS), tl.maximum(wt, 0), 0).to(tl.float32)
+            wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < FWU), tl.maximum(wt, 0), 0).to(tl.float32)
             m, l, acc = _flash_init(ROWS, DVP)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
@@ -412,7 +415,11 @@ if HAS_TRITON:
                 folded = tl.dot(p, wt, input_precision="ieee")
                 row = (bh * NT + t).to(tl.int64) * G
                 tl.store(fold_ptr + (row + g[:, None]) * JS + jj[None, :], folded,
-                         mask=(g[:, None] < G) & (jj[None, :] < JS))
+                         mask=(g[:, None] < G) & (jj[None, :] < FWU))
+                for s in tl.static_range(JS - FWU):
+                    w_s = tl.minimum(cc + M_CMP, (FWU + s) * R + R) - tl.maximum(cc, (FWU + s) * R)
+                    w_s = tl.where(cc < BCL, tl.maximum(w_s, 0), 0).to(tl.float32)
+                    tl.store(fold_ptr + (row + g) * JS + FWU + s, tl.sum(p * w_s[None, :], axis=1), mask=g < G)
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
             if WS and part == 0:
