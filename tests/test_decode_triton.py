@@ -178,12 +178,14 @@ def test_kernels_interpreted_one_split_per_tile():
 
 
 @interpreter
-def test_kernels_interpreted_window_in_a():
-    # WS=0: the window chunks run in A's grid, after its splits, instead of S's (the default);
-    # separate window caches, so that reading k/v instead of k_win/v_win would show.
-    for name in ("g16-paper", "g1-separate-kv"):
+def test_kernels_interpreted_launch_layouts():
+    # WS: the window chunks in A's grid (0) or S's (1); separate window caches, so that reading
+    # k/v instead of k_win/v_win would show. FS: A's fold dot over the tile's own blocks and the
+    # columns past them by row sums (0: one dot over all), with tiles of 4 and 16 blocks.
+    for name in ("g16-paper", "g1-separate-kv", "g8-long-cmp"):
         cfg, T = CONFIGS[name]
-        check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles={"WS": 0})
+        for tiles in ({"WS": 0, "FS": 1}, {"WS": 1, "FS": 0}, {"FS": 1, "BC": 16}, {"FS": 0, "BC": 16}):
+            check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles=tiles)
 
 
 @interpreter
@@ -242,7 +244,8 @@ def test_kernels_gpu(name, B, dtype):
 
 
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
-                   for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1})]
+                   for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1},
+                             {"FS": 0}, {"FS": 1})]
 
 
 @gpu
@@ -582,6 +585,7 @@ def test_phi_step_refuses_another_phi():
     ({"TI": 3}, "TI=3 must be a power of two"),
     ({"WS": 2}, "WS=2 must be 0 or 1"),
     ({"PDL": -1}, "PDL=-1 must be 0 or 1"),
+    ({"FS": 3}, "FS=3 must be 0 or 1"),
 ])
 def test_bad_tiles(tiles, message):
     # Checked before anything launches: the error names the key or the rule.

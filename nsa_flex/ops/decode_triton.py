@@ -134,7 +134,14 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     noise at B=1 (17.7 us with A's) and at B=8 (45.5 us with WS and 16 splits); kept for B*Hkv
     <= 16, where S's grid has room (bench/results/2026-11-25_h200_decode_tiles_s10_sweep_b*.json).
     Other splits (8-24), 3 stages, 8 warps, BN=32 were no faster at B=8. maxnreg caps A's
-    registers (a measurement knob: every cap tried was slower)."""
+    registers (a measurement knob: every cap tried was slower).
+
+    FS: A's fold dot over the tile's own JT blocks only (16 columns instead of 32), the one or
+    two columns its last entries reach past them by row sums. The op 16.6 / 16.7 us against
+    18.4 / 18.5 at B=1, 64k. At B=8 it needs 144 registers (3 programs per SM): A 32.9 against
+    27.2 us; capped at 128 (20 bytes of spills) A takes 27.35 us, as without FS, so the fold's
+    FMA count does not bound A there (..._tiles_s10_sweep_fs.json). Hence FS up to 4 kv heads,
+    where A's grid is one wave either way."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
@@ -144,7 +151,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
-            "WS": int(B * Hkv <= 16), "FS": 0}
+            "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4)}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
