@@ -17,7 +17,8 @@ A  compressed split-K and window, grid (B*Hkv, SPLITS + window chunks). A compre
    fold as sums over a [rows, blocks, R] reshape (A 1 us faster at B=1 but 1 us slower at B=8,
    and B, which then gathers two columns per block, 1.4 / 3 us slower); the dot in tf32x3
    (A 31.7 against 26.9 us at B=8); the dot over the tile's 16 blocks and the one block past
-   it by row sums (A 33 against 27 us at B=8, ..._decode_tiles_v5e_spill_sums.json); tiles of
+   it by row sums (A 33 against 27 us at B=8, ..._decode_tiles_v5e_spill_sums.json; now tile
+   key FS, on at B=1: the 33 us was 144 registers, 3 programs per SM, see launch_config); tiles of
    15 blocks, so that the fold needs 16 columns (A 37 against 27 us at B=8: 60-entry tiles load
    misaligned, ..._decode_tiles_v5_jt15.json); the window programs in S's grid (S 11.8 against
    8.4 us).
