@@ -1,0 +1,68 @@
+"""Where the decode step's time goes beyond its kernels: the step and its parts, each from a CUDA graph.
+
+    PYTHONPATH=. python3 bench/decode_step_gap_gpu.py --out $OUT/step_gap.json [--cases 8:65536 1:65536]
+
+`nsa-flex bench decode` times the compiled step (cache_step + decode_attend) from a CUDA graph of
+10 steps. At B=8, 64k that step took ~53 us while its kernels' profiled times add up to ~48.
+This times, in one run and the same way (bench.decode.graph_step_times), the step compiled and
+uncompiled, decode_attend alone and cache_step alone, to see which boundary the rest sits at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
+from nsa_flex.decode import _write_and_compress
+from nsa_flex.ops import decode_attend
+
+
+def parts(prob: _Problem) -> dict:
+    cache, pr, gates = prob.cache, prob.pr, prob.gates
+    cfg = cache.config
+    B = pr.q.shape[0]
+
+    def op_only():
+        q = pr.q.reshape(B, cfg.n_kv_heads, cfg.group_size, cfg.head_dim)
+        return decode_attend(q, cache.k, cache.v, cache.k_win, cache.v_win, cache.k_cmp, cache.v_cmp, cache.lengths,
+                             gates.reshape(B, cfg.n_kv_heads, cfg.group_size, 3), cfg, advance=True)
+
+    def cache_only():
+        _write_and_compress(cache, pr, cache.lengths, prob.phi_k, prob.phi_v)
+        cache.lengths.add_(1)
+
+    return {"step-eager": prob.nsa_step, "step-compiled": torch.compile(prob.nsa_step, fullgraph=True),
+            "op-eager": op_only, "cache_step-eager": cache_only}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cases", nargs="+", default=["8:65536", "1:65536"])
+    args = p.parse_args()
+    rows = []
+    for case in args.cases:
+        B, T = (int(x) for x in case.split(":"))
+        cfg = decode_config(device="cuda", contexts=(T,), batches=(B,))
+        prob = _Problem(cfg, B, T)
+        for name, fn in parts(prob).items():
+            fn()
+            torch.cuda.synchronize()
+            times = graph_step_times(fn, prob.reset, steps=10, reps=7, replays=10)
+            rows.append({"B": B, "T": T, "part": name, "us": 1e3 * statistics.median(times)})
+            print(f"B={B} T={T} {name}: {rows[-1]['us']:.1f} us", flush=True)
+        torch._dynamo.reset()
+        del prob
+        torch.cuda.empty_cache()
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "argv": sys.argv[1:]}
+    args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
