@@ -586,6 +586,7 @@ def test_phi_step_refuses_another_phi():
     ({"WS": 2}, "WS=2 must be 0 or 1"),
     ({"PDL": -1}, "PDL=-1 must be 0 or 1"),
     ({"FS": 3}, "FS=3 must be 0 or 1"),
+    ({"maxnreg": 300}, "maxnreg=300 must be 0 \\(no cap\\) or 24..255"),
 ])
 def test_bad_tiles(tiles, message):
     # Checked before anything launches: the error names the key or the rule.

@@ -187,6 +187,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     for key in ("PDL", "WS", "FS"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
+    if cfg.get("maxnreg") and not 24 <= cfg["maxnreg"] <= 255:
+        raise ValueError(f"decode tile maxnreg={cfg['maxnreg']} must be 0 (no cap) or 24..255 registers")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
