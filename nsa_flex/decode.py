@@ -2,9 +2,10 @@
 
 `prefill` runs the layer's training path (its `impl`) over the right-padded prompts and fills
 the cache in one go. `decode_step` takes one new token per sequence: it writes the token's
-keys/values and compresses a new block where one just completed (the op nsa_flex::cache_step,
+keys/values and compresses a new block where one just completed (nsa_flex::cache_step's work,
 one Triton launch on CUDA), then runs the three branches for the one query and advances the
-lengths (the op nsa_flex::decode_attend, four Triton launches on CUDA); static shapes,
+lengths (nsa_flex::decode_attend's, four Triton launches on CUDA), both in the one op
+nsa_flex::step_attend; static shapes,
 positions as tensors, no host synchronisation, so `torch.compile(mode="reduce-overhead")`
 makes it one CUDA graph.
 
@@ -21,7 +22,7 @@ import torch
 
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.cache import NSACache
-from nsa_flex.ops import cache_step, decode_attend, decode_attend_torch, phi_step
+from nsa_flex.ops import cache_step, decode_attend_torch, phi_step, step_attend
 from nsa_flex.ops.cache_step import write_token_torch
 # Re-exported: the selection rule of one decode query, now the op's torch twin.
 from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
@@ -124,30 +125,28 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     branches and the gates, advances cache.lengths. pr holds [B,1,...] projections, gates
     [B,1,Hq,3] (after the sigmoid). Returns (o [B,1,Hq,Dv] in q's dtype, selection [B,Hkv,n]).
 
-    impl: "op", the registered ops nsa_flex::cache_step and nsa_flex::decode_attend (Triton
+    impl: "op", the registered op nsa_flex::step_attend (cache_step then decode_attend; Triton
     kernels on CUDA, their torch twins elsewhere); "torch", the scatter writes, nsa_flex::phi_step
     and the attention twin inline, for Inductor to compile (the pre-op path).
     """
     cfg = cache.config
     B, Hkv, G = pr.q.shape[0], cfg.n_kv_heads, cfg.group_size
     pos_b = cache.lengths
+    # Query head h belongs to kv head h // G: [B,1,Hq,Dk] -> [B,Hkv,G,Dk].
+    q_bhgd, gates_bhg3 = pr.q.reshape(B, Hkv, G, cfg.head_dim), gates_b1h3.reshape(B, Hkv, G, 3)
     match impl:
         case "op":
-            _write_and_compress(cache, pr, pos_b, phi_k, phi_v)
+            # One op: the cache update, the attention, and cache.lengths advanced (on CUDA by the
+            # attention's last kernel, with no launch of its own).
+            o_bhgd, blocks_bhn = step_attend(*_step_tensors(cache, pr), pos_b, phi_k, phi_v, q_bhgd, gates_bhg3, cfg)
         case "torch":
             _write_token(cache, pr, pos_b)
             _update_compressed(cache, pos_b, phi_k, phi_v)
+            o_bhgd, blocks_bhn = decode_attend_torch(q_bhgd, cache.k, cache.v, cache.k_win, cache.v_win, cache.k_cmp,
+                                                     cache.v_cmp, pos_b, gates_bhg3, cfg)
+            cache.lengths.add_(1)
         case _:
             raise ValueError(f"unknown decode impl {impl!r}; allowed: 'op', 'torch'")
-    # Query head h belongs to kv head h // G: [B,1,Hq,Dk] -> [B,Hkv,G,Dk].
-    args = (pr.q.reshape(B, Hkv, G, cfg.head_dim), cache.k, cache.v, cache.k_win, cache.v_win, cache.k_cmp,
-            cache.v_cmp, pos_b, gates_b1h3.reshape(B, Hkv, G, 3))
-    if impl == "op":
-        # The op advances cache.lengths itself (on CUDA its last kernel does, with no launch of its own).
-        o_bhgd, blocks_bhn = decode_attend(*args, cfg, advance=True)
-    else:
-        o_bhgd, blocks_bhn = decode_attend_torch(*args, cfg)
-        cache.lengths.add_(1)
     return o_bhgd.reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
 
 

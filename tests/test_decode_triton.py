@@ -11,6 +11,7 @@ scale, a few fp32 ulps of the values').
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -685,3 +686,113 @@ def test_cache_step_refuses_window_tokens_without_window_caches():
     caches[2] = caches[3] = None
     with pytest.raises(ValueError, match="window tokens and window caches must both be given"):
         cache_step(tokens, tuple(caches), pos, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride)
+
+
+# ---------------------------------------------------------------- nsa_flex::step_attend
+
+def _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, separate, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, dev, dtype = pos.shape[0], pos.device, cache.k.dtype
+    q = (2 * torch.randn(B, cfg.n_kv_heads, cfg.group_size, cfg.head_dim, generator=g)).to(dtype).to(dev)
+    gates = torch.rand(B, cfg.n_kv_heads, cfg.group_size, 3, generator=g).to(dev)
+    return tokens, _caches(cache, separate), pos, phi_k, phi_v, q, gates
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_step_attend_equals_cache_step_then_decode_attend(separate):
+    # The one op does the two ops' work in their order: the same caches, output, selection and
+    # lengths, bit for bit (on the CPU both run their twins).
+    from nsa_flex.ops import cache_step, step_attend
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate)
+    other = copy.deepcopy(cache)
+    pos_other = pos.clone()
+    tokens, caches, pos, phi_k, phi_v, q, gates = _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, separate)
+    o, blocks = step_attend(tokens, caches, pos, phi_k, phi_v, q, gates, cfg)
+    cache_step(tokens, _caches(other, separate), pos_other, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride)
+    k_win, v_win = (other.k_win, other.v_win) if separate else (other.k, other.v)
+    o_want, blocks_want = decode_attend(q, other.k, other.v, k_win, v_win, other.k_cmp, other.v_cmp, pos_other, gates,
+                                        cfg, advance=True)
+    assert torch.equal(o, o_want) and torch.equal(blocks, blocks_want) and torch.equal(pos, pos_other)
+    for (name, got), want in zip(cache.named_buffers(), other.buffers()):
+        assert torch.equal(got, want), name
+
+
+def test_step_attend_opcheck():
+    """nsa_flex::step_attend's registration: schema (caches and pos mutated), fake kernel."""
+    from nsa_flex.ops.phi_step import phi_params
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, True)
+    tokens, caches, pos, phi_k, phi_v, q, gates = _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, True)
+    params = [p.detach() if p is not None else None for p in (*phi_params(phi_k), *phi_params(phi_v))]
+    torch.library.opcheck(torch.ops.nsa_flex.step_attend.default,
+                          (*tokens, *caches, pos, *params, q, gates, cfg.head_dim ** -0.5, cfg.cmp_block,
+                           cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.n_initial, cfg.n_local, cfg.window))
+
+
+def test_step_attend_bad_input():
+    from nsa_flex.ops import step_attend
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, True)
+    tokens, caches, pos, phi_k, phi_v, q, gates = _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, True)
+    with pytest.raises(ValueError, match="window tokens and window caches must both be given"):
+        step_attend(tokens, (*caches[:2], None, None, *caches[4:]), pos, phi_k, phi_v, q, gates, cfg)
+    with pytest.raises(ValueError, match="pos must be an int64 tensor"):
+        step_attend(tokens, caches, pos[:2], phi_k, phi_v, q, gates, cfg)
+
+
+@interpreter
+def test_kernels_interpreted_after_cache_step():
+    # after_cache_step changes only when A's programs wait (nothing on the interpreter), not
+    # what they compute: the same output and selection, bit for bit.
+    cfg, T = CONFIGS["g16-paper"]
+    q, k, v, k_win, v_win, k_cmp, v_cmp, gates = make_inputs(cfg, 3, T, torch.float32, "cpu")
+    pos = torch.tensor([T - 1, 100, 700])
+    args = (q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, cfg.head_dim ** -0.5, cfg, {"SPLITS": 7, "BC": 16})
+    o, blocks = decode_triton.decode_attend_triton(*args)
+    o_after, blocks_after = decode_triton.decode_attend_triton(*args, after_cache_step=True)
+    assert torch.equal(o, o_after) and torch.equal(blocks, blocks_after)
+
+
+@gpu
+def test_gpu_step_attend_graph_equals_the_two_ops_without_pdl():
+    # In one CUDA graph, 40 steps of step_attend, where A reads q, pos and the older compressed
+    # entries before cache_step's kernel is done, across two block completions (every 16
+    # tokens), against the same steps with cache_step and then decode_attend's kernels without
+    # PDL: the same arithmetic, so every step's output and selection must be equal bit for bit,
+    # and the caches too.
+    if not decode_triton.HAS_TRITON or _interpreting():
+        pytest.skip("needs compiled Triton kernels")
+    from nsa_flex.ops import cache_step, step_attend
+
+    cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
+    steps, B = 40, 3
+    cache, pr, gates, phi = _decode_problem(cfg, B, 4096, [3000, 1100, 3071], torch.bfloat16, "cuda")
+    q = pr.q.reshape(B, cfg.n_kv_heads, cfg.group_size, cfg.head_dim)
+    gates = gates.reshape(B, cfg.n_kv_heads, cfg.group_size, 3).float()
+    tokens = (pr.k_sel[:, 0], pr.v_sel[:, 0], None, None, pr.k_cmp[:, 0], pr.v_cmp[:, 0])
+    other = copy.deepcopy(cache)
+
+    def fused():
+        return step_attend(tokens, _caches(cache, False), cache.lengths, *phi, q, gates, cfg)
+
+    def two_ops():
+        cache_step(tokens, _caches(other, False), other.lengths, *phi, cfg.cmp_block, cfg.cmp_stride)
+        return decode_triton.decode_attend_triton(q, other.k, other.v, other.k, other.v, other.k_cmp, other.v_cmp,
+                                                  other.lengths, gates, cfg.head_dim ** -0.5, cfg, {"PDL": 0},
+                                                  advance=True)
+
+    start = cache.lengths.clone()
+    fused()  # warm-up (compiles); then back to the start
+    torch.cuda.synchronize()
+    cache.lengths.copy_(start)
+    graph, outs = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            outs.append(fused())
+    graph.replay()
+    for i in range(steps):
+        o_want, blocks_want = two_ops()
+        assert torch.equal(sort_block_indices(outs[i][1]), sort_block_indices(blocks_want)), f"step {i}"
+        assert torch.equal(outs[i][0], o_want), f"step {i}"
+    assert torch.equal(cache.lengths, other.lengths) and torch.equal(cache.k_cmp, other.k_cmp)

@@ -42,12 +42,17 @@ def cache_step(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...],
     v_win, k_tail, v_tail, k_cmp, v_cmp) of an NSACache (k_win/v_win None likewise), updated in
     place; phi_k, phi_v: the layer's Compressors.
     """
+    check_tokens(tokens, caches)
     k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok = tokens
     k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp = caches
-    if (kw_tok is None) != (k_win is None) or (vw_tok is None) != (v_win is None):
-        raise ValueError("window tokens and window caches must both be given (separate K/V) or both be None")
     torch.ops.nsa_flex.cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail,
                                   k_cmp, v_cmp, pos, *phi_params(phi_k), *phi_params(phi_v), cmp_block, cmp_stride)
+
+
+def check_tokens(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Tensor], ...]) -> None:
+    """The window pair: tokens and caches both given (separate K/V) or both None."""
+    if (tokens[2] is None) != (caches[2] is None) or (tokens[3] is None) != (caches[3] is None):
+        raise ValueError("window tokens and window caches must both be given (separate K/V) or both be None")
 
 
 def write_token_torch(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Tensor], ...], pos: Tensor,
@@ -73,6 +78,17 @@ def _cache_step_impl(
     pe_v: Tensor, w1_v: Tensor, b1_v: Optional[Tensor], w2_v: Tensor, b2_v: Optional[Tensor],
     cmp_block: int, cmp_stride: int,
 ) -> None:
+    run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
+                   pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
+
+
+def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
+                   pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block: int,
+                   cmp_stride: int) -> tuple[Tensor, ...]:
+    """The op's body. Returns the tensors the Triton kernel reads (copies made for it included):
+    a caller that launches more kernels right after it keeps them alive until those have
+    launched, so that no allocation of theirs can take that memory while the kernel, which lets
+    the next one start early (PDL), may still read it. Empty on the torch path."""
     caches = (k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp)
     widths = (k.shape[-1], v.shape[-1], w1_k.shape[0], w1_v.shape[0], w2_k.shape[0], w2_v.shape[0])
     usable = (decode_triton.HAS_TRITON and k.device.type == "cuda" and w1_k.dtype in _DTYPES
@@ -80,12 +96,13 @@ def _cache_step_impl(
               and all(n >= 16 and n & (n - 1) == 0 for n in widths)
               and w2_k.shape[0] == k.shape[-1] and w2_v.shape[0] == v.shape[-1])
     if usable:
-        _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos,
-                           (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block, cmp_stride)
-        return
+        return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos,
+                                  (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block,
+                                  cmp_stride)
     write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
     _phi_step_torch(k_tail, k_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, cmp_block, cmp_stride)
     _phi_step_torch(v_tail, v_cmp, pos, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
+    return ()
 
 
 # A custom_op, opaque to Inductor, not a triton_op: Inductor launches a triton_op's kernels
@@ -101,7 +118,7 @@ def _cache_step_fake(*args) -> None:
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
-                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int) -> None:
+                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int) -> tuple[Tensor, ...]:
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -122,6 +139,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None, HAS_B2V=b2_v is not None,
         num_warps=8, **decode_triton.pdl_launch(k.device, True),
     )
+    return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v)
 
 
 if decode_triton.HAS_TRITON:

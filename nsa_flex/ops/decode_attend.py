@@ -58,12 +58,20 @@ def _decode_attend_impl(
     pos: Tensor, gates: Tensor, scale: float, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, n_initial: int, n_local: int, window: int, advance: bool,
 ) -> tuple[Tensor, Tensor]:
+    return run_decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, cmp_block, cmp_stride,
+                             sel_block, n_selected, n_initial, n_local, window, advance)
+
+
+def run_decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, cmp_block: int, cmp_stride: int,
+                      sel_block: int, n_selected: int, n_initial: int, n_local: int, window: int, advance: bool,
+                      after_cache_step: bool = False) -> tuple[Tensor, Tensor]:
+    """The op's body; after_cache_step as decode_triton.decode_attend_triton's (nsa_flex::step_attend)."""
     # Only the geometry fields are read; head counts come from the tensors.
     config = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected,
                        n_initial=n_initial, n_local=n_local, window=window)
     if q.device.type == "cuda" and decode_triton.HAS_TRITON:
         return decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config,
-                                                  advance=advance)
+                                                  advance=advance, after_cache_step=after_cache_step)
     o, blocks = _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
     if advance:
         pos.add_(1)

@@ -157,11 +157,14 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
-                         tiles: dict[str, int] | None = None, *, advance: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         tiles: dict[str, int] | None = None, *, advance: bool = False,
+                         after_cache_step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
     advance: D adds 1 to pos in place once nothing reads it any more (a decode step's
-    lengths update without a launch of its own).
+    lengths update without a launch of its own). after_cache_step: the launches just before
+    wrote only the token at pos and the compressed entry it completes (nsa_flex::step_attend,
+    whose cache update runs first): A's compressed programs read q, pos and the older entries
+    before they wait (see _pdl_wait).
 
     tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
     Triton interpreter (tests): there tl.dot runs in fp32, since the interpreter's dot misreads
@@ -243,7 +246,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         **dims, **dots, BC=BC, BCL=BCL, JS=JS, FW=max(16, _next_pow2(JT if fs else JS)), FWU=JT if fs else JS,
         SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
-        WS=ws, **launch,
+        WS=ws, PREFETCH=after_cache_step, **launch,
     )
     wrap_triton(_importance_kernel)[(BH, NPROG)](
         fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
@@ -388,11 +391,19 @@ if HAS_TRITON:
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
         JS: tl.constexpr, FW: tl.constexpr, FWU: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
+        WCH: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ):
-        # Everything A reads may come from the kernel just before it: it waits first.
-        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        pid = tl.program_id(0)
         part = tl.program_id(1)
+        # Everything A reads may come from the kernel just before it, so it waits first; but after
+        # the op's own cache update (PREFETCH) only the newest compressed entry and the token at
+        # pos can, and the compressed programs wait only where they need them (below).
+        z = tl.zeros([], tl.int32)
+        if not PREFETCH:
+            z = _pdl_wait(pid, PDL)
+        elif part >= SPLITS:
+            z = _pdl_wait(pid, PDL)
+        bh = pid + z
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
@@ -412,10 +423,16 @@ if HAS_TRITON:
             wt = tl.minimum(cc[:, None] + M_CMP, jj[None, :] * R + R) - tl.maximum(cc[:, None], jj[None, :] * R)
             wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < FWU), tl.maximum(wt, 0), 0).to(tl.float32)
             m, l, acc = _flash_init(ROWS, DVP)
+            t_lo, t_hi = part * per, tl.minimum(part * per + per, n_tiles)
+            if PREFETCH:
+                # The program holding the newest entry's tile waits before its loop, the others
+                # after it (the wait's 0 goes into the loop's start, or the partial's index).
+                if (t_hi == n_tiles) & (t_lo < t_hi):
+                    t_lo += _pdl_wait(pid, PDL)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
             v_base = vc_ptr + b * sv_b + h * sv_h
-            for t in range(part * per, tl.minimum(part * per + per, n_tiles)):
+            for t in range(t_lo, t_hi):
                 c0 = t * BCL
                 ok = (cc < BCL) & (c0 + cc < n_vis)
                 k_ptrs = k_base + c0.to(tl.int64) * sk_t + cc[None, :] * sk_t + dk[:, None]
@@ -432,7 +449,12 @@ if HAS_TRITON:
                     w_s = tl.where(cc < BCL, tl.maximum(w_s, 0), 0).to(tl.float32)
                     tl.store(fold_ptr + (row + g) * JS + FWU + s, tl.sum(p * w_s[None, :], axis=1), mask=g < G)
                 tl.store(mt_ptr + row + g, m, mask=g < G)
-            _store_partial(m_a, l_a, acc_a, bh * SPLITS + part, m, l, acc, ROWS, DVP)
+            idx = bh * SPLITS + part
+            if PREFETCH:
+                if (t_hi < n_tiles) | (t_lo >= t_hi):
+                    # (pid + 1: an input of its own, so that the two waits stay apart.)
+                    idx += _pdl_wait(pid + 1, PDL)
+            _store_partial(m_a, l_a, acc_a, idx, m, l, acc, ROWS, DVP)
             if WS and part == 0:
                 # Kernels run in order, so B starts with every counter at zero. (Not at the
                 # kernel's start: there the store took A from 128 registers to 140, 3 programs
