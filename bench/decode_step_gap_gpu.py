@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python3 bench/decode_step_gap_gpu.py --out $OUT/step_gap.json [--cases 8:65536 1:65536]
 
-`nsa-flex bench decode` times the compiled step (cache_step + decode_attend) from a CUDA graph of
+`nsa-flex bench decode` times the compiled step (nsa_flex::step_attend) from a CUDA graph of
 10 steps. At B=8, 64k that step took ~53 us while its kernels' profiled times add up to ~48.
 This times, in one run and the same way (bench.decode.graph_step_times), the step compiled and
-uncompiled, decode_attend alone and cache_step alone, to see which boundary the rest sits at.
+uncompiled, decode_attend alone and cache_step alone (the two ops step_attend runs as one), to
+see which boundary the rest sits at.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from pathlib import Path
 import torch
 
 from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
-from nsa_flex.decode import _write_and_compress
-from nsa_flex.ops import decode_attend
+from nsa_flex.decode import _step_tensors
+from nsa_flex.ops import cache_step, decode_attend
 
 
 def parts(prob: _Problem) -> dict:
@@ -34,7 +35,7 @@ def parts(prob: _Problem) -> dict:
                              gates.reshape(B, cfg.n_kv_heads, cfg.group_size, 3), cfg, advance=True)
 
     def cache_only():
-        _write_and_compress(cache, pr, cache.lengths, prob.phi_k, prob.phi_v)
+        cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride)
         cache.lengths.add_(1)
 
     return {"step-eager": prob.nsa_step, "step-compiled": torch.compile(prob.nsa_step, fullgraph=True),

@@ -22,7 +22,7 @@ import torch
 
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.cache import NSACache
-from nsa_flex.ops import cache_step, decode_attend_torch, phi_step, step_attend
+from nsa_flex.ops import decode_attend_torch, phi_step, step_attend
 from nsa_flex.ops.cache_step import write_token_torch
 # Re-exported: the selection rule of one decode query, now the op's torch twin.
 from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
@@ -158,12 +158,6 @@ def _step_tensors(cache: NSACache, pr: Projected):
     caches = (cache.k, cache.v, cache.k_win if separate else None, cache.v_win if separate else None, cache.k_tail,
               cache.v_tail, cache.k_cmp, cache.v_cmp)
     return tokens, caches
-
-
-def _write_and_compress(cache: NSACache, pr: Projected, pos_b: torch.Tensor, phi_k, phi_v) -> None:
-    """The token's writes and phi where a block completes, as one op (nsa_flex::cache_step: one
-    launch on CUDA); the same as _write_token + _update_compressed."""
-    cache_step(*_step_tensors(cache, pr), pos_b, phi_k, phi_v, cache.config.cmp_block, cache.config.cmp_stride)
 
 
 def _write_token(cache: NSACache, pr: Projected, pos_b: torch.Tensor) -> None:
