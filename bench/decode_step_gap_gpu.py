@@ -12,6 +12,7 @@ see which boundary the rest sits at.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -21,7 +22,10 @@ import torch
 
 from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
 from nsa_flex.decode import _step_tensors
-from nsa_flex.ops import cache_step, decode_attend
+from nsa_flex.ops import cache_step, decode_attend, decode_triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_tiles_gpu import parse_tiles  # noqa: E402
 
 
 def parts(prob: _Problem) -> dict:
@@ -42,10 +46,24 @@ def parts(prob: _Problem) -> dict:
             "op-eager": op_only, "cache_step-eager": cache_only}
 
 
+@contextlib.contextmanager
+def _overridden(tiles: dict[str, int]):
+    """decode_triton.launch_config with tiles over its result, for the step's op to pick up."""
+    original = decode_triton.launch_config
+    decode_triton.launch_config = lambda *args: {**original(*args), **tiles}
+    try:
+        yield
+    finally:
+        decode_triton.launch_config = original
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cases", nargs="+", default=["8:65536", "1:65536"])
+    p.add_argument("--variants", nargs="*", default=[],
+                   help="also time the step (eager, from a graph) with these launch_config overrides, "
+                        "KEY=INT[,KEY=INT...]; a variant may repeat")
     args = p.parse_args()
     rows = []
     for case in args.cases:
@@ -58,6 +76,12 @@ def main() -> None:
             times = graph_step_times(fn, prob.reset, steps=10, reps=7, replays=10)
             rows.append({"B": B, "T": T, "part": name, "us": 1e3 * statistics.median(times)})
             print(f"B={B} T={T} {name}: {rows[-1]['us']:.1f} us", flush=True)
+        for variant in args.variants:
+            tiles = parse_tiles(variant)
+            with _overridden(tiles):
+                times = graph_step_times(prob.nsa_step, prob.reset, steps=10, reps=7, replays=10)
+            rows.append({"B": B, "T": T, "part": "step-eager", "tiles": tiles, "us": 1e3 * statistics.median(times)})
+            print(f"B={B} T={T} step-eager {variant}: {rows[-1]['us']:.1f} us", flush=True)
         torch._dynamo.reset()
         del prob
         torch.cuda.empty_cache()

@@ -182,10 +182,14 @@ def test_kernels_interpreted_one_split_per_tile():
 def test_kernels_interpreted_launch_layouts():
     # WS: the window chunks in A's grid (0) or S's (1); separate window caches, so that reading
     # k/v instead of k_win/v_win would show. FS: A's fold dot over the tile's own blocks and the
-    # columns past them by row sums (0: one dot over all), with tiles of 4 and 16 blocks.
+    # columns past them by row sums (0: one dot over all), with tiles of 4 and 16 blocks. TMA: A's
+    # compressed tiles by tensor descriptors (4-D, [1, 1, BC, D] boxes). AT: the importance and
+    # top n in the tail of A's last compressed program of each kv head (no kernel B).
     for name in ("g16-paper", "g1-separate-kv", "g8-long-cmp"):
         cfg, T = CONFIGS[name]
-        for tiles in ({"WS": 0, "FS": 1}, {"WS": 1, "FS": 0}, {"FS": 1, "BC": 16}, {"FS": 0, "BC": 16}):
+        for tiles in ({"WS": 0, "FS": 1}, {"WS": 1, "FS": 0}, {"FS": 1, "BC": 16}, {"FS": 0, "BC": 16},
+                      {"TMA": 1, "WS": 0}, {"TMA": 1, "FS": 1, "BC": 16}, {"AT": 1, "WS": 0},
+                      {"AT": 1, "WS": 1, "BC": 16, "SPLITS": 3}):
             check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles=tiles)
 
 
@@ -246,7 +250,8 @@ def test_kernels_gpu(name, B, dtype):
 
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
                    for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1},
-                             {"FS": 0}, {"FS": 1})]
+                             {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0},
+                             {"AT": 0}, {"AT": 1, "WS": 0}, {"AT": 1, "WS": 1, "TMA": 1})]
 
 
 @gpu
@@ -587,6 +592,7 @@ def test_phi_step_refuses_another_phi():
     ({"WS": 2}, "WS=2 must be 0 or 1"),
     ({"PDL": -1}, "PDL=-1 must be 0 or 1"),
     ({"FS": 3}, "FS=3 must be 0 or 1"),
+    ({"TMA": 2}, "TMA=2 must be 0 or 1"),
     ({"maxnreg": 300}, "maxnreg=300 must be 0 \\(no cap\\) or 24..255"),
 ])
 def test_bad_tiles(tiles, message):
@@ -635,7 +641,10 @@ def _check_cache_step(dtype, separate: bool, device: str):
     with torch.no_grad():
         _cache_step_impl(*on_cpu(tokens), *want, pos.cpu(), *on_cpu(params), l, d)
         if device == "cpu":
-            _cache_step_triton(*tokens, *got, pos, params[:5], params[5:], l, d)
+            # counters (step_attend's, for decode_attend's A): zeroed on the way.
+            counters = torch.full((pos.shape[0] * cfg.n_kv_heads,), 7, dtype=torch.int32)
+            _cache_step_triton(*tokens, *got, pos, params[:5], params[5:], l, d, counters)
+            assert torch.equal(counters, torch.zeros_like(counters))
         else:
             torch.ops.nsa_flex.cache_step(*tokens, *got, pos, *params, l, d)
     for name, g, w, b in zip(names, got, want, before):

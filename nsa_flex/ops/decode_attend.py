@@ -64,14 +64,16 @@ def _decode_attend_impl(
 
 def run_decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, cmp_block: int, cmp_stride: int,
                       sel_block: int, n_selected: int, n_initial: int, n_local: int, window: int, advance: bool,
-                      after_cache_step: bool = False) -> tuple[Tensor, Tensor]:
-    """The op's body; after_cache_step as decode_triton.decode_attend_triton's (nsa_flex::step_attend)."""
+                      after_cache_step: bool = False, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The op's body; after_cache_step and counters as decode_triton.decode_attend_triton's
+    (nsa_flex::step_attend's)."""
     # Only the geometry fields are read; head counts come from the tensors.
     config = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected,
                        n_initial=n_initial, n_local=n_local, window=window)
     if q.device.type == "cuda" and decode_triton.HAS_TRITON:
         return decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config,
-                                                  advance=advance, after_cache_step=after_cache_step)
+                                                  advance=advance, after_cache_step=after_cache_step,
+                                                  counters=counters)
     o, blocks = _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
     if advance:
         pos.add_(1)
