@@ -183,14 +183,34 @@ def test_kernels_interpreted_launch_layouts():
     # WS: the window chunks in A's grid (0) or S's (1); separate window caches, so that reading
     # k/v instead of k_win/v_win would show. FS: A's fold dot over the tile's own blocks and the
     # columns past them by row sums (0: one dot over all), with tiles of 4 and 16 blocks. TMA: A's
-    # compressed tiles by tensor descriptors (4-D, [1, 1, BC, D] boxes). AT: the importance and
-    # top n in the tail of A's last compressed program of each kv head (no kernel B).
+    # compressed tiles by tensor descriptors, unmasked ([1, 1, BC, D] boxes).
     for name in ("g16-paper", "g1-separate-kv", "g8-long-cmp"):
         cfg, T = CONFIGS[name]
         for tiles in ({"WS": 0, "FS": 1}, {"WS": 1, "FS": 0}, {"FS": 1, "BC": 16}, {"FS": 0, "BC": 16},
-                      {"TMA": 1, "WS": 0}, {"TMA": 1, "FS": 1, "BC": 16}, {"AT": 1, "WS": 0},
-                      {"AT": 1, "WS": 1, "BC": 16, "SPLITS": 3}):
+                      {"TMA": 1, "WS": 0}, {"TMA": 1, "FS": 1, "BC": 16}):
             check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles=tiles)
+
+
+@interpreter
+def test_kernels_interpreted_tma_tiles_past_the_visible_entries():
+    # With TMA, A loads whole tiles unmasked: what the cache holds past a sequence's visible
+    # entries (NaN in K, any finite V, as decode_attend's contract says) must not change a bit of
+    # the result. The pointer loads mask those entries; both must agree with the clean cache.
+    cfg, T = CONFIGS["g16-paper"]
+    inputs = list(make_inputs(cfg, 2, T, torch.float32, "cpu"))
+    pos = torch.tensor([700, 100])
+    scale = cfg.head_dim ** -0.5
+    run = lambda xs, tiles: decode_triton.decode_attend_triton(*xs[:7], pos, xs[7], scale, cfg,  # noqa: E731
+                                                               {"BC": 16, "SPLITS": 3, **tiles})
+    want = run(inputs, {"TMA": 0})
+    poisoned = [x.clone() for x in inputs]
+    for b, p in enumerate(pos.tolist()):
+        n_vis = (p - cfg.cmp_block + 1) // cfg.cmp_stride + 1
+        poisoned[5][b, :, n_vis:] = float("nan")
+        poisoned[6][b, :, n_vis:] = 1e30
+    for tiles in ({"TMA": 1}, {"TMA": 0}):
+        got = run(poisoned, tiles)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), tiles
 
 
 @interpreter
@@ -246,12 +266,13 @@ def test_kernels_gpu(name, B, dtype):
         check_kernels(cfg, T, positions, dtype, "cuda", seed)
     for where, positions in POSITIONS.items():
         check_kernels(cfg, T, [p % T for p in positions], dtype, "cuda")
+        # A's compressed tiles by TMA (the default only past 16 kv heads) on every head size and dtype.
+        check_kernels(cfg, T, [p % T for p in positions], dtype, "cuda", tiles={"TMA": 1})
 
 
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
                    for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1},
-                             {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0},
-                             {"AT": 0}, {"AT": 1, "WS": 0}, {"AT": 1, "WS": 1, "TMA": 1})]
+                             {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0})]
 
 
 @gpu
@@ -641,10 +662,7 @@ def _check_cache_step(dtype, separate: bool, device: str):
     with torch.no_grad():
         _cache_step_impl(*on_cpu(tokens), *want, pos.cpu(), *on_cpu(params), l, d)
         if device == "cpu":
-            # counters (step_attend's, for decode_attend's A): zeroed on the way.
-            counters = torch.full((pos.shape[0] * cfg.n_kv_heads,), 7, dtype=torch.int32)
-            _cache_step_triton(*tokens, *got, pos, params[:5], params[5:], l, d, counters)
-            assert torch.equal(counters, torch.zeros_like(counters))
+            _cache_step_triton(*tokens, *got, pos, params[:5], params[5:], l, d)
         else:
             torch.ops.nsa_flex.cache_step(*tokens, *got, pos, *params, l, d)
     for name, g, w, b in zip(names, got, want, before):

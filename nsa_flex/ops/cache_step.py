@@ -84,14 +84,11 @@ def _cache_step_impl(
 
 def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
                    pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block: int,
-                   cmp_stride: int, counters: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+                   cmp_stride: int) -> tuple[Tensor, ...]:
     """The op's body. Returns the tensors the Triton kernel reads (copies made for it included):
     a caller that launches more kernels right after it keeps them alive until those have
     launched, so that no allocation of theirs can take that memory while the kernel, which lets
-    the next one start early (PDL), may still read it. Empty on the torch path.
-
-    counters: an int32 tensor of B*Hkv entries set to 0 on the way (nsa_flex::step_attend's:
-    the counts of decode_attend's A, which a kernel before A has to zero)."""
+    the next one start early (PDL), may still read it. Empty on the torch path."""
     caches = (k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp)
     widths = (k.shape[-1], v.shape[-1], w1_k.shape[0], w1_v.shape[0], w2_k.shape[0], w2_v.shape[0])
     usable = (decode_triton.HAS_TRITON and k.device.type == "cuda" and w1_k.dtype in _DTYPES
@@ -101,9 +98,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
     if usable:
         return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos,
                                   (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block,
-                                  cmp_stride, counters)
-    if counters is not None:
-        counters.zero_()
+                                  cmp_stride)
     write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
     _phi_step_torch(k_tail, k_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, cmp_block, cmp_stride)
     _phi_step_torch(v_tail, v_cmp, pos, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
@@ -123,8 +118,7 @@ def _cache_step_fake(*args) -> None:
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
-                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int,
-                       counters: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int) -> tuple[Tensor, ...]:
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -139,11 +133,11 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
         pe_k, w1_k, w1_k if b1_k is None else b1_k, w2_k, w2_k if b2_k is None else b2_k,
         pe_v, w1_v, w1_v if b1_v is None else b1_v, w2_v, w2_v if b2_v is None else b2_v,
-        k if counters is None else counters, Hkv, T, k_cmp.shape[2],
+        Hkv, T, k_cmp.shape[2],
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], SEPARATE=separate,
         HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None, HAS_B2V=b2_v is not None,
-        ZERO=counters is not None, num_warps=8, **decode_triton.pdl_launch(k.device, True),
+        num_warps=8, **decode_triton.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v)
 
@@ -153,24 +147,21 @@ if decode_triton.HAS_TRITON:
     @triton.jit
     def _cache_step_kernel(
         kt_ptr, vt_ptr, kwt_ptr, vwt_ptr, kct_ptr, vct_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, ktail_ptr, vtail_ptr,
-        kc_ptr, vc_ptr, pos_ptr, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cnt_ptr, Hkv, T, Tc,
+        kc_ptr, vc_ptr, pos_ptr, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, Hkv, T, Tc,
         skt_b, skt_h, svt_b, svt_h, skwt_b, skwt_h, svwt_b, svwt_h, skct_b, skct_h, svct_b, svct_h,
         L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, H1K: tl.constexpr,
         H1V: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr, HAS_B2K: tl.constexpr,
-        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr,
+        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (sequence * kv head, side): side 0 writes and compresses the keys, side 1 the values.
         With PDL it is launched before the kernel ahead of it ends and waits for it first (the
-        token's k/v come from there), then lets decode_attend's first kernel launch. ZERO: the
-        keys' programs also zero the counter of their (sequence, kv head)."""
+        token's k/v come from there), then lets decode_attend's first kernel launch."""
         bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         b = bh // Hkv
         h = bh % Hkv
         # A position past the cache is a caller's bug (decode checks it eagerly); clamped, it
         # cannot write out of bounds.
         pos = tl.minimum(tl.load(pos_ptr + b), T - 1)
-        if ZERO & (tl.program_id(1) == 0):
-            tl.store(cnt_ptr + bh, 0)
         if tl.program_id(1) == 0:
             _write_compress(kt_ptr + b * skt_b + h * skt_h, kwt_ptr + b * skwt_b + h * skwt_h,
                             kct_ptr + b * skct_b + h * skct_h, k_ptr, kw_ptr, ktail_ptr, kc_ptr, bh, pos, T, Tc,

@@ -38,6 +38,11 @@ def decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSACo
     pos [B] int64, the query's position, its token already in the cache (pos < T);
     gates [B,Hkv,G,3] (after the sigmoid). scale defaults to Dk ** -0.5. advance: add 1 to
     pos in place afterwards (a decode step's lengths; on CUDA the last kernel does it).
+
+    The compressed entries past a sequence's visible ones must hold finite values (an NSACache
+    starts zero-filled): at larger batches the kernel loads whole tiles of k_cmp/v_cmp by TMA,
+    unmasked, and gives those entries probability 0, which a NaN or inf in v_cmp would turn
+    into NaN.
     """
     q, gates, scale = _prepare(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config, scale)
     if advance and not pos.is_contiguous():
@@ -64,16 +69,14 @@ def _decode_attend_impl(
 
 def run_decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, cmp_block: int, cmp_stride: int,
                       sel_block: int, n_selected: int, n_initial: int, n_local: int, window: int, advance: bool,
-                      after_cache_step: bool = False, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The op's body; after_cache_step and counters as decode_triton.decode_attend_triton's
-    (nsa_flex::step_attend's)."""
+                      after_cache_step: bool = False) -> tuple[Tensor, Tensor]:
+    """The op's body; after_cache_step as decode_triton.decode_attend_triton's (nsa_flex::step_attend)."""
     # Only the geometry fields are read; head counts come from the tensors.
     config = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected,
                        n_initial=n_initial, n_local=n_local, window=window)
     if q.device.type == "cuda" and decode_triton.HAS_TRITON:
         return decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config,
-                                                  advance=advance, after_cache_step=after_cache_step,
-                                                  counters=counters)
+                                                  advance=advance, after_cache_step=after_cache_step)
     o, blocks = _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
     if advance:
         pos.add_(1)

@@ -58,6 +58,14 @@ ops are custom_ops. A kernel change to remember: a store at A's start took it fr
 registers to 140, 4 programs per SM to 3, and A from 27 to 36 us at B=8, 64k; capping A's
 registers (maxnreg 80-112) or one stage were all slower (..._tiles_s10_sweep_b8_regs.json).
 
+B's work in A's tail, measured and dropped (H200, 64k, commit 1cf28ef,
+bench/results/2026-11-25_h200_decode_step_variants_s11_at_tma.json): the last compressed
+program of each kv head to finish (an atomic count that cache_step's kernel zeroed) took the
+importance and top n of all the head's blocks, group by group, and B was not launched. One
+program doing the eight groups of the head in turn made the step 68 us against 20 at B=1, and
+118 against 52 at B=8: the importance and top n, latency-bound in B's 5 us, are eight times
+that in one program.
+
 One launch instead of four, measured and dropped (H200, 64k, commit 88b130e,
 bench/results/2026-11-24_h200_decode_fused_v*): a kernel whose programs take work items (A,
 then B, S, D) by an atomic ticket and wait on a per-row count for the items they read. Waits
@@ -108,7 +116,7 @@ partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), t
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
-             "FS", "TMA", "AT")
+             "FS", "TMA")
 
 
 def _next_pow2(x: int) -> int:
@@ -146,7 +154,15 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     18.4 / 18.5 at B=1, 64k. At B=8 it needs 144 registers (3 programs per SM): A 32.9 against
     27.2 us; capped at 128 (20 bytes of spills) A takes 27.35 us, as without FS, so the fold's
     FMA count does not bound A there (..._tiles_s10_sweep_fs.json). Hence FS up to 4 kv heads,
-    where A's grid is one wave either way."""
+    where A's grid is one wave either way.
+
+    TMA: A's compressed tiles through tensor descriptors (cp.async.bulk.tensor, unmasked; see
+    decode_attend for what the entries past the visible ones must hold). Fewer load and
+    address instructions: A 26.1 / 26.3 us against 26.9 / 27.4 at B=8, 64k and 43.3 / 42.9
+    against 45.0 / 44.9 at 128k; the step 49.9 against 52.1 / 52.2 us at B=8, 64k. At B=1 no
+    gain (A 5.6 against 5.7 us, the step 20.2 against 19.9-20.6), so it is on past 16 kv heads
+    (..._decode_tiles_s11_tma.json, ..._decode_step_variants_s11_at_tma.json). With TMA, A with
+    FS takes 128 registers instead of 142."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
@@ -156,21 +172,19 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
-            "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4), "TMA": 0, "AT": 0}
+            "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4),
+            "TMA": int(B * Hkv > 16)}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
                          tiles: dict[str, int] | None = None, *, advance: bool = False,
-                         after_cache_step: bool = False,
-                         counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         after_cache_step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
     advance: D adds 1 to pos in place once nothing reads it any more (a decode step's
     lengths update without a launch of its own). after_cache_step: the launches just before
     wrote only the token at pos and the compressed entry it completes (nsa_flex::step_attend,
     whose cache update runs first): A's compressed programs read q, pos and the older entries
-    before they wait (see _pdl_wait). counters: an int32 tensor [B*Hkv] that a kernel before
-    this op's zeroed (step_attend's cache update), for A's counts with AT; without it a memset
-    launch zeroes one.
+    before they wait (see _pdl_wait).
 
     tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
     Triton interpreter (tests): there tl.dot runs in fp32, since the interpreter's dot misreads
@@ -193,7 +207,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
-    for key in ("PDL", "WS", "FS", "TMA", "AT"):
+    for key in ("PDL", "WS", "FS", "TMA"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
     if cfg.get("maxnreg") and not 24 <= cfg["maxnreg"] <= 255:
@@ -235,21 +249,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     m_c, l_c = (torch.empty((BH, N + NW, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_c = torch.empty((BH, N + NW, ROWS, DVP), dtype=f32, device=dev)
     cand = torch.empty((BH, NPROG, NP), dtype=torch.int64, device=dev)
-    # The programs that take the importance (B's, or with AT A's compressed ones) count
-    # themselves in here; the last of a kv head picks its blocks. B's count is zeroed by A, A's
-    # by a kernel before it: the caller's (counters, zeroed by nsa_flex::step_attend's cache
-    # update), else a memset here.
-    at = bool(cfg["AT"])
-    if counters is not None:
-        if counters.shape != (BH,) or counters.dtype != torch.int32 or counters.device != dev:
-            raise ValueError(f"counters must be an int32 tensor of shape [B*Hkv={BH}] on {dev}, got "
-                             f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
-        arrived = counters
-    else:
-        arrived = (torch.zeros if at else torch.empty)((BH,), dtype=torch.int32, device=dev)
-    keys = dict(GP=_next_pow2(G), SPP=_next_pow2(SPLITS), TI=TI, JT=JT, JTP=_next_pow2(JT), KB=KB,
-                SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, NP=NP,
-                NPROGP=_next_pow2(NPROG))
+    # B's programs of a kv head count themselves in here (A zeroes it); the last one ranks.
+    arrived = torch.empty((BH,), dtype=torch.int32, device=dev)
     blocks = torch.empty((B, Hkv, N), dtype=torch.int64, device=dev)
     o = torch.empty((B, Hkv, G, Dv), dtype=out_dtype, device=dev)
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
@@ -258,26 +259,28 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     pdl_args = pdl_launch(dev, bool(cfg["PDL"]))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
-    tma = bool(cfg["TMA"])
-    # TMA descriptors of the compressed caches (A's tiles [1, 1, BC, D]); without TMA the
-    # kernel takes the tensors in their place and never reads them.
+    # TMA: tensor descriptors of the compressed caches, boxes [1, 1, BC, D] (sm_90 and newer, or
+    # the interpreter); without, the kernel takes the tensors in their place and never reads them.
+    tma = (bool(cfg["TMA"]) and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 9)
+           and max(BC, DKP, DVP) <= 256 and all(_tma_ok(x) for x in (k_cmp, v_cmp)))
     kc_desc, vc_desc = ((TensorDescriptor.from_tensor(x, [1, 1, BC, p]) for x, p in ((k_cmp, DKP), (v_cmp, DVP)))
                         if tma else (k_cmp, v_cmp))
     wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if ws else NW))](
         q, k_cmp, v_cmp, kc_desc, vc_desc, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
-        cand, blocks, Hkv, T, Tc, NT, NS, NPROG, w, scale,
+        Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, BC=BC, BCL=BCL, JS=JS, FW=max(16, _next_pow2(JT if fs else JS)), FWU=JT if fs else JS,
         SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
-        WS=ws, PREFETCH=after_cache_step, TMA=tma, AT=at, **keys, **launch,
+        WS=ws, PREFETCH=after_cache_step, TMA=tma, **launch,
     )
-    if not at:
-        wrap_triton(_importance_kernel)[(BH, NPROG)](
-            fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT, G=G, ROWS=ROWS, SPLITS=SPLITS,
-            JS=JS, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, N=N, **keys,
-            num_warps=cfg["IW"], **pdl_args,
-        )
+    wrap_triton(_importance_kernel)[(BH, NPROG)](
+        fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
+        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
+        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
+        NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"], **pdl_args,
+    )
     wrap_triton(_sel_win_kernel)[(BH, N + (NW if ws else 0))](
         q, k, v, k_win, v_win, pos, blocks, m_c, l_c, acc_c, Hkv, T, w, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
@@ -290,6 +293,12 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         NPP=_next_pow2(N + NW), num_warps=cfg["DW"], **pdl_args,
     )
     return o, blocks
+
+
+def _tma_ok(x: torch.Tensor) -> bool:
+    """A tensor a TMA descriptor can address: 16-byte aligned base and strides, unit last stride."""
+    size = x.element_size()
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in x.stride()[:-1])
 
 
 def pdl_launch(device: torch.device, wanted: bool) -> dict:
@@ -375,8 +384,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _flash_update(q_rd, k_dn, v_nd, ok, m, l, acc, scale, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
-        """_flash_step on loaded tiles: k_dn [D, BN], v_nd [BN, D]; columns not ok must hold
-        finite values (p is 0 there)."""
+        """_flash_step on loaded tiles, k_dn [D, BN] and v_nd [BN, D]. Where not ok, p is 0 and
+        k_dn's columns may hold anything, v_nd's rows anything finite."""
         s = (_dot(q_rd, k_dn, F32_DOT, IEEE) * scale).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
         # Every tile holds a visible key, so m_new is finite and no row turns NaN.
@@ -414,16 +423,14 @@ if HAS_TRITON:
     @triton.jit
     def _cmp_win_kernel(
         q_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc, kw_ptr, vw_ptr, pos_ptr, fold_ptr, mt_ptr, m_a, l_a, acc_a, m_c,
-        l_c, acc_c, arrived_ptr, cand_ptr, blocks_ptr, Hkv, T, Tc, NT, NS, NPROG, w, scale,
+        l_c, acc_c, arrived_ptr, Hkv, T, Tc, NT, w, scale,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, BC: tl.constexpr, BCL: tl.constexpr,
         JS: tl.constexpr, FW: tl.constexpr, FWU: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        TMA: tl.constexpr, AT: tl.constexpr, GP: tl.constexpr, SPP: tl.constexpr, TI: tl.constexpr,
-        JT: tl.constexpr, JTP: tl.constexpr, KB: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr,
-        N_LOCAL: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
         part = tl.program_id(1)
@@ -468,10 +475,11 @@ if HAS_TRITON:
                 c0 = t * BCL
                 ok = (cc < BCL) & (c0 + cc < n_vis)
                 if TMA:
-                    # Rows past n_vis are cache entries (finite: NSACache zero-fills) or, past
-                    # Tc, TMA's zero fill; their p is 0.
-                    k_nd = kc_desc.load([b.to(tl.int32), h.to(tl.int32), c0.to(tl.int32), 0]).reshape(BC, DKP)
-                    v_nd = vc_desc.load([b.to(tl.int32), h.to(tl.int32), c0.to(tl.int32), 0]).reshape(BC, DVP)
+                    # Unmasked: entries past n_vis are cache entries (finite, see decode_attend)
+                    # and past Tc TMA's zero fill; their p is 0.
+                    at = [b.to(tl.int32), h.to(tl.int32), c0.to(tl.int32), 0]
+                    k_nd = kc_desc.load(at).reshape(BC, DKP)
+                    v_nd = vc_desc.load(at).reshape(BC, DVP)
                     m, l, acc, p = _flash_update(q_rd, tl.trans(k_nd), v_nd, ok, m, l, acc, scale, F32_DOT, IEEE)
                 else:
                     k_ptrs = k_base + c0.to(tl.int64) * sk_t + cc[None, :] * sk_t + dk[:, None]
@@ -494,27 +502,13 @@ if HAS_TRITON:
                     # (pid + 1: an input of its own, so that the two waits stay apart.)
                     idx += _pdl_wait(pid + 1, PDL)
             _store_partial(m_a, l_a, acc_a, idx, m, l, acc, ROWS, DVP)
-            if AT:
-                # B's work in A's tail: the last compressed program of this kv head to finish
-                # (counters zeroed by a kernel before A) picks its blocks. The barrier orders the
-                # program's stores before its count; acq_rel publishes them and acquires the others'.
-                tl.debug_barrier()
-                done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
-                if done == SPLITS - 1:
-                    lse = _row_lse(m_a, l_a, bh, GP, ROWS, SPLITS, SPP)
-                    for prog in range(NPROG):
-                        _store_candidates(fold_ptr, mt_ptr, lse, cand_ptr, bh, prog, NPROG, pos, Tc, NS, NT, G, GP,
-                                          TI, JT, JTP, JS, KB, BCL, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_INIT,
-                                          N_LOCAL, NP)
-                    tl.debug_barrier()
-                    _top_n(cand_ptr, blocks_ptr, bh, NS, NPROG, N, NP, NPROGP)
-            elif WS and part == 0:
+            if WS and part == 0:
                 # Kernels run in order, so B starts with every counter at zero. (Not at the
                 # kernel's start: there the store took A from 128 registers to 140, 3 programs
                 # per SM instead of 4, and A from 27 to 36 us at B=8, 64k.)
                 tl.store(arrived_ptr + bh, 0)
         else:
-            if (part == SPLITS) & (not AT):
+            if part == SPLITS:
                 tl.store(arrived_ptr + bh, 0)
             _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - SPLITS, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
@@ -544,48 +538,25 @@ if HAS_TRITON:
         """Selection keys of the blocks of TI tiles and their top n (stored); the last program of
         a kv head to finish then picks the top n of those candidates (_top_n)."""
         bh = tl.program_id(0)
+        t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
         # Below: A's results.
         bh = bh + _pdl_wait(tl.program_id(1), PDL)
-        lse = _row_lse(m_a, l_a, bh, GP, ROWS, SPLITS, SPP)
-        _store_candidates(fold_ptr, mt_ptr, lse, cand_ptr, bh, tl.program_id(1), tl.num_programs(1), pos, Tc, NS, NT,
-                          G, GP, TI, JT, JTP, JS, KB, BCL, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_INIT, N_LOCAL, NP)
-        # The last program of this kv head to get here sees every candidate (the barrier orders
-        # the program's stores before its count; acq_rel publishes them and acquires the others').
-        tl.debug_barrier()
-        done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(1) - 1:
-            _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
-
-    @triton.jit
-    def _row_lse(m_a, l_a, bh, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr):
-        """lse of each row of one kv head from A's partials, read at L2 (.cg: with the importance
-        in A's tail, other programs of the same launch wrote them)."""
-        g = tl.arange(0, GP)
-        sp = tl.arange(0, SPP)
-        part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
-        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"), cache_modifier=".cg")
-        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0, cache_modifier=".cg")
-        m_g = tl.max(m_sg, axis=0)
-        m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
-        den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
-        return m_g + tl.log(tl.where(den > 0, den, 1.0))
-
-    @triton.jit
-    def _store_candidates(fold_ptr, mt_ptr, lse, cand_ptr, bh, prog, NPROG, pos, Tc, NS, NT,
-                          G: tl.constexpr, GP: tl.constexpr, TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr,
-                          JS: tl.constexpr, KB: tl.constexpr, BCL: tl.constexpr, CMP_BLOCK: tl.constexpr,
-                          CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr,
-                          N_LOCAL: tl.constexpr, NP: tl.constexpr):
-        """The selection keys of the blocks of tiles prog*TI .. prog*TI+TI-1 of one kv head, and
-        the top n of them stored as candidates number prog: every key of the kv head's top n is
-        among its candidates."""
         n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
         # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
         # the next tile); keys -1 past the query's own block.
         g = tl.arange(0, GP)
+        sp = tl.arange(0, SPP)
+        # lse of each row from A's partials.
+        part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
+        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
+        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0)
+        m_g = tl.max(m_sg, axis=0)
+        m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
+        den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
+        lse = m_g + tl.log(tl.where(den > 0, den, 1.0))
         i = tl.arange(0, TI * JTP)
-        t = prog * TI + i // JTP
+        t = t0 + i // JTP
         col = i % JTP
         imp = tl.zeros([TI * JTP], tl.float32)
         for kk in tl.static_range(KB):
@@ -594,14 +565,21 @@ if HAS_TRITON:
             t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
             row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
             ok = (g[:, None] < G) & t_ok[None, :]
-            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
+            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
             imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
         j = t * JT + col
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
+        # Every key of the kv head's top n is among its program's top n.
         slot = tl.arange(0, NP)
-        tl.store(cand_ptr + (bh * NPROG + prog) * NP + slot, tl.topk(key, NP))
+        tl.store(cand_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * NP + slot, tl.topk(key, NP))
+        # The last program of this kv head to get here sees every candidate (the barrier orders
+        # the program's stores before its count; acq_rel publishes them and acquires the others').
+        tl.debug_barrier()
+        done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):

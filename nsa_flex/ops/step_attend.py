@@ -51,15 +51,13 @@ def _step_attend_impl(
     q: Tensor, gates: Tensor, scale: float, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, n_initial: int, n_local: int, window: int,
 ) -> tuple[Tensor, Tensor]:
-    # The attention's counts, zeroed by the cache update's kernel: no memset launch of their own.
-    counters = torch.empty((q.shape[0] * q.shape[1],), dtype=torch.int32, device=q.device)
     # Held until the attention's kernels have launched: see run_cache_step.
     read_by_cache_step = run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail,
                                         v_tail, k_cmp, v_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v,
-                                        w2_v, b2_v, cmp_block, cmp_stride, counters)
+                                        w2_v, b2_v, cmp_block, cmp_stride)
     o, blocks = run_decode_attend(q, k, v, k if k_win is None else k_win, v if v_win is None else v_win, k_cmp, v_cmp,
                                   pos, gates, scale, cmp_block, cmp_stride, sel_block, n_selected, n_initial, n_local,
-                                  window, advance=True, after_cache_step=True, counters=counters)
+                                  window, advance=True, after_cache_step=True)
     del read_by_cache_step
     return o, blocks
 
