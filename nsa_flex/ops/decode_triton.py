@@ -463,10 +463,14 @@ if HAS_TRITON:
             wt = tl.where((cc[:, None] < BCL) & (jj[None, :] < FWU), tl.maximum(wt, 0), 0).to(tl.float32)
             m, l, acc = _flash_init(ROWS, DVP)
             t_lo, t_hi = part * per, tl.minimum(part * per + per, n_tiles)
+            # The newest visible entry is this step's own (cache_step's kernel writes it) only
+            # where pos completes a block; otherwise an earlier step wrote it.
+            done = pos + 1 - CMP_BLOCK
+            fresh = ((done >= 0) & (done % CMP_STRIDE == 0) & (t_hi == n_tiles) & (t_lo < t_hi)).to(tl.int32)
             if PREFETCH:
-                # The program holding the newest entry's tile waits before its loop, the others
+                # The program holding a fresh newest entry waits before its loop, the others
                 # after it (the wait's 0 goes into the loop's start, or the partial's index).
-                if (t_hi == n_tiles) & (t_lo < t_hi):
+                if fresh == 1:
                     t_lo += _pdl_wait(pid, PDL)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
@@ -498,7 +502,7 @@ if HAS_TRITON:
                 tl.store(mt_ptr + row + g, m, mask=g < G)
             idx = bh * SPLITS + part
             if PREFETCH:
-                if (t_hi < n_tiles) | (t_lo >= t_hi):
+                if fresh == 0:
                     # (pid + 1: an input of its own, so that the two waits stay apart.)
                     idx += _pdl_wait(pid + 1, PDL)
             _store_partial(m_a, l_a, acc_a, idx, m, l, acc, ROWS, DVP)
