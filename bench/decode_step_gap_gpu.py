@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import statistics
 import sys
@@ -24,9 +23,6 @@ import torch
 from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
 from nsa_flex.decode import _step_tensors
 from nsa_flex.ops import cache_step, decode_attend, decode_triton
-
-# The module (nsa_flex.ops.step_attend is also the name of its function).
-step_attend_mod = importlib.import_module("nsa_flex.ops.step_attend")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_tiles_gpu import parse_tiles  # noqa: E402
@@ -53,16 +49,12 @@ def parts(prob: _Problem) -> dict:
 @contextlib.contextmanager
 def _overridden(tiles: dict[str, int]):
     """decode_triton.launch_config with tiles over its result, for the step's op to pick up."""
-    tiles = dict(tiles)
-    first = tiles.pop("LAUNCH_FIRST", None)
-    original, original_first = decode_triton.launch_config, step_attend_mod._LAUNCH_FIRST
+    original = decode_triton.launch_config
     decode_triton.launch_config = lambda *args: {**original(*args), **tiles}
-    if first is not None:
-        step_attend_mod._LAUNCH_FIRST = bool(first)
     try:
         yield
     finally:
-        decode_triton.launch_config, step_attend_mod._LAUNCH_FIRST = original, original_first
+        decode_triton.launch_config = original
 
 
 def main() -> None:

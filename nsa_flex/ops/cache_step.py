@@ -29,7 +29,7 @@ if decode_triton.HAS_TRITON:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from nsa_flex.ops.decode_triton import _pdl_launch_then_wait, _pdl_wait
+    from nsa_flex.ops.decode_triton import _pdl_wait
     from nsa_flex.ops.phi_step import _phi_into
 
 
@@ -84,16 +84,11 @@ def _cache_step_impl(
 
 def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
                    pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block: int,
-                   cmp_stride: int, launch_first: bool = False) -> tuple[Tensor, ...]:
+                   cmp_stride: int) -> tuple[Tensor, ...]:
     """The op's body. Returns the tensors the Triton kernel reads (copies made for it included):
     a caller that launches more kernels right after it keeps them alive until those have
     launched, so that no allocation of theirs can take that memory while the kernel, which lets
-    the next one start early (PDL), may still read it. Empty on the torch path.
-
-    launch_first: the kernel lets the next one launch before it waits for the kernel ahead
-    (programmatic dependent launch; see decode_triton._pdl_wait), so that the next kernel's
-    programs are resident when this one's wait ends; the next kernel must then wait before it
-    touches memory (nsa_flex::step_attend's A does)."""
+    the next one start early (PDL), may still read it. Empty on the torch path."""
     caches = (k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp)
     widths = (k.shape[-1], v.shape[-1], w1_k.shape[0], w1_v.shape[0], w2_k.shape[0], w2_v.shape[0])
     usable = (decode_triton.HAS_TRITON and k.device.type == "cuda" and w1_k.dtype in _DTYPES
@@ -103,7 +98,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
     if usable:
         return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos,
                                   (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block,
-                                  cmp_stride, launch_first)
+                                  cmp_stride)
     write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
     _phi_step_torch(k_tail, k_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, cmp_block, cmp_stride)
     _phi_step_torch(v_tail, v_cmp, pos, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
@@ -123,8 +118,7 @@ def _cache_step_fake(*args) -> None:
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
-                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int,
-                       launch_first: bool = False) -> tuple[Tensor, ...]:
+                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int) -> tuple[Tensor, ...]:
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -143,7 +137,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], SEPARATE=separate,
         HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None, HAS_B2V=b2_v is not None,
-        LAUNCH_FIRST=launch_first, num_warps=8, **decode_triton.pdl_launch(k.device, True),
+        num_warps=8, **decode_triton.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v)
 
@@ -157,15 +151,12 @@ if decode_triton.HAS_TRITON:
         skt_b, skt_h, svt_b, svt_h, skwt_b, skwt_h, svwt_b, svwt_h, skct_b, skct_h, svct_b, svct_h,
         L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, H1K: tl.constexpr,
         H1V: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr, HAS_B2K: tl.constexpr,
-        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, LAUNCH_FIRST: tl.constexpr, PDL: tl.constexpr,
+        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (sequence * kv head, side): side 0 writes and compresses the keys, side 1 the values.
         With PDL it is launched before the kernel ahead of it ends and waits for it first (the
         token's k/v come from there), then lets decode_attend's first kernel launch."""
-        if LAUNCH_FIRST:
-            bh = tl.program_id(0) + _pdl_launch_then_wait(tl.program_id(0), PDL)
-        else:
-            bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         b = bh // Hkv
         h = bh % Hkv
         # A position past the cache is a caller's bug (decode checks it eagerly); clamped, it

@@ -50,7 +50,14 @@ launched before the one ahead of it ends, waits for it (griddepcontrol.wait), th
 one launch. Before its wait a kernel does what needs nothing of the kernel just ahead: B and S
 load pos and q, S's window programs (WS) run whole, D merges A's partials; after the op's own
 cache update (after_cache_step, nsa_flex::step_attend) A's compressed programs also read q, pos
-and all but the newest entry's tile (the step ~1 us shorter). On the H200 at 64k
+and the compressed tiles (the step ~1 us shorter); only the program holding the newest entry
+waits first, and only where pos completes a block, so that cache_step's kernel wrote that entry
+(the step 19.5 against 19.9-20.6 us at B=1, ..._decode_step_sweep_b1_s11.json). Measured and
+dropped (commit 1604b86, ..._decode_step_launch_first_s11.json): cache_step's kernel letting A
+launch before its own wait, A then waiting first: the step 50.5 against 49.1 us at B=8 and
+20.7 against 19.9 at B=1, 64k. A's programs are then resident when cache_step's wait ends,
+but A no longer computes while cache_step's kernel runs. (A computing before its wait as well
+would need pos advanced before D, and A's stores all after its wait.) On the H200 at 64k
 the op takes 17.4 us against 19.1 without PDL at B=1, and no less at B=8 (45-48 us either
 way); the compiled step 21.7 against 24.5 us at B=1 (..._decode_tiles_s10*.json,
 ..._decode_s10.json). Inductor drops launch_pdl when it launches a triton_op's kernels, so the
@@ -344,17 +351,6 @@ if HAS_TRITON:
                 # One line: Inductor copies this source into a module of its own, where an escaped
                 # newline in a string breaks it.
                 "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
-                [after], dtype=tl.int32, is_pure=True, pack=1)
-        return z
-
-    @triton.jit
-    def _pdl_launch_then_wait(after, PDL: tl.constexpr):
-        """_pdl_wait with the two steps the other way round: the next kernel may launch before this
-        one has waited for the kernel ahead, so it must wait before it reads or writes anything."""
-        z = 0
-        if PDL:
-            z = tl.inline_asm_elementwise(
-                "griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;", "=r,r",
                 [after], dtype=tl.int32, is_pure=True, pack=1)
         return z
 

@@ -24,8 +24,6 @@ from nsa_flex.ops.cache_step import check_tokens, run_cache_step
 from nsa_flex.ops.decode_attend import _geometry, _prepare, run_decode_attend
 from nsa_flex.ops.phi_step import phi_params
 
-_LAUNCH_FIRST = True
-
 
 def step_attend(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...], pos: Tensor, phi_k: nn.Module,
                 phi_v: nn.Module, q: Tensor, gates: Tensor, config: NSAConfig, *,
@@ -56,10 +54,10 @@ def _step_attend_impl(
     # Held until the attention's kernels have launched: see run_cache_step.
     read_by_cache_step = run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail,
                                         v_tail, k_cmp, v_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v,
-                                        w2_v, b2_v, cmp_block, cmp_stride, launch_first=_LAUNCH_FIRST)
+                                        w2_v, b2_v, cmp_block, cmp_stride)
     o, blocks = run_decode_attend(q, k, v, k if k_win is None else k_win, v if v_win is None else v_win, k_cmp, v_cmp,
                                   pos, gates, scale, cmp_block, cmp_stride, sel_block, n_selected, n_initial, n_local,
-                                  window, advance=True, after_cache_step=not _LAUNCH_FIRST)
+                                  window, advance=True, after_cache_step=True)
     del read_by_cache_step
     return o, blocks
 
