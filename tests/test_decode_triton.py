@@ -183,11 +183,14 @@ def test_kernels_interpreted_launch_layouts():
     # WS: the window chunks in A's grid (0) or S's (1); separate window caches, so that reading
     # k/v instead of k_win/v_win would show. FS: A's fold dot over the tile's own blocks and the
     # columns past them by row sums (0: one dot over all), with tiles of 4 and 16 blocks. TMA: A's
-    # compressed tiles by tensor descriptors, unmasked ([1, 1, BC, D] boxes).
+    # compressed tiles by tensor descriptors, unmasked ([1, 1, BC, D] boxes). ST: S's programs
+    # take the top n of B's candidates themselves, or B's last program does (0) (with TI=2,
+    # several candidate lists).
     for name in ("g16-paper", "g1-separate-kv", "g8-long-cmp"):
         cfg, T = CONFIGS[name]
         for tiles in ({"WS": 0, "FS": 1}, {"WS": 1, "FS": 0}, {"FS": 1, "BC": 16}, {"FS": 0, "BC": 16},
-                      {"TMA": 1, "WS": 0}, {"TMA": 1, "FS": 1, "BC": 16}):
+                      {"TMA": 1, "WS": 0}, {"TMA": 1, "FS": 1, "BC": 16}, {"ST": 1, "WS": 0},
+                      {"ST": 1, "WS": 1, "BC": 16, "TI": 2}, {"ST": 0, "BC": 16, "TI": 2}):
             check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles=tiles)
 
 
@@ -272,7 +275,8 @@ def test_kernels_gpu(name, B, dtype):
 
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
                    for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1},
-                             {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0})]
+                             {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0},
+                             {"ST": 0}, {"ST": 1}, {"ST": 1, "WS": 0})]
 
 
 @gpu
@@ -614,6 +618,7 @@ def test_phi_step_refuses_another_phi():
     ({"PDL": -1}, "PDL=-1 must be 0 or 1"),
     ({"FS": 3}, "FS=3 must be 0 or 1"),
     ({"TMA": 2}, "TMA=2 must be 0 or 1"),
+    ({"ST": -1}, "ST=-1 must be 0 or 1"),
     ({"maxnreg": 300}, "maxnreg=300 must be 0 \\(no cap\\) or 24..255"),
 ])
 def test_bad_tiles(tiles, message):

@@ -29,7 +29,7 @@ B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's par
    score +inf, blocks after the query's own are out). A program stores the top n of its TI
    tiles' keys (a bitonic tl.topk): every key of the kv head's top n is among them. The last
    program of the kv head to finish (an atomic count; A zeroes the counters) takes the top n
-   of all its programs' candidates.
+   of all its programs' candidates; or with ST (small batches) each of S's programs does.
    Measured and dropped (H200, 64k; ..._decode_tiles_v4.json, ..._decode_tiles_v5*.json): a
    separate top-n kernel ranking each block against the candidates of the n tiles with the
    largest maxima (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8); that rank in the tail (B 13 us
@@ -37,7 +37,8 @@ B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's par
    selected branch folded into C (13.6 us against 5.6 + 3.1).
 S  selected branch, grid (B*Hkv, n), or (B*Hkv, NW + n) with WS: each program attends over one
    chosen block's tokens <= pos; with WS the window chunks come first, and run before S waits
-   for B.
+   for B. With ST a selected program first takes the top n of B's candidates (as B's last
+   program would) and stores the id of the block in its slot.
    Two or four blocks per program were no faster (S 8.2 / 10.9 against 7.8 us at B=8, 64k;
    ..._decode_tiles_v5_sel_blocks_per_program.json).
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
@@ -123,7 +124,7 @@ partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), t
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
-             "FS", "TMA")
+             "FS", "TMA", "ST")
 
 
 def _next_pow2(x: int) -> int:
@@ -169,7 +170,13 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     against 45.0 / 44.9 at 128k; the step 49.9 against 52.1 / 52.2 us at B=8, 64k. At B=1 no
     gain (A 5.6 against 5.7 us, the step 20.2 against 19.9-20.6), so it is on past 16 kv heads
     (..._decode_tiles_s11_tma.json, ..._decode_step_variants_s11_at_tma.json). With TMA, A with
-    FS takes 128 registers instead of 142."""
+    FS takes 128 registers instead of 142.
+
+    ST: B's programs store their top n and stop; each of S's selected programs takes the top n
+    of those candidates itself and attends over the block in its slot, so that B loses its
+    count, its last program and one store-load round trip. The step 18.5 / 18.6 us against
+    19.9 / 20.1 at B=1, 64k, but 49.4 against 49.0 / 49.1 at B=8, where S then needs 142
+    registers (..._decode_step_st_s11.json): on up to 16 kv heads, as WS."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
@@ -180,7 +187,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
             "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4),
-            "TMA": int(B * Hkv > 16)}
+            "TMA": int(B * Hkv > 16), "ST": int(B * Hkv <= 16)}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -214,7 +221,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
-    for key in ("PDL", "WS", "FS", "TMA"):
+    for key in ("PDL", "WS", "FS", "TMA", "ST"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
     if cfg.get("maxnreg") and not 24 <= cfg["maxnreg"] <= 255:
@@ -281,18 +288,19 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         WS=ws, PREFETCH=after_cache_step, TMA=tma, **launch,
     )
+    st = bool(cfg["ST"])
     wrap_triton(_importance_kernel)[(BH, NPROG)](
         fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
         G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
         JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
-        NPROGP=_next_pow2(NPROG), num_warps=cfg["IW"], **pdl_args,
+        NPROGP=_next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **pdl_args,
     )
     wrap_triton(_sel_win_kernel)[(BH, N + (NW if ws else 0))](
-        q, k, v, k_win, v_win, pos, blocks, m_c, l_c, acc_c, Hkv, T, w, scale,
+        q, k, v, k_win, v_win, pos, blocks, cand, m_c, l_c, acc_c, Hkv, T, w, scale, NS, NPROG,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, num_warps=cfg["SW"],
-        num_stages=cfg["num_stages"], **pdl_args,
+        **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, ST=st, NP=NP,
+        NPROGP=_next_pow2(NPROG), num_warps=cfg["SW"], num_stages=cfg["num_stages"], **pdl_args,
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
@@ -544,10 +552,11 @@ if HAS_TRITON:
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
         N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
-        PDL: tl.constexpr,
+        ST: tl.constexpr, PDL: tl.constexpr,
     ):
         """Selection keys of the blocks of TI tiles and their top n (stored); the last program of
-        a kv head to finish then picks the top n of those candidates (_top_n)."""
+        a kv head to finish then picks the top n of those candidates (_top_n), or with ST each of
+        S's programs does."""
         bh = tl.program_id(0)
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
@@ -585,6 +594,8 @@ if HAS_TRITON:
         # Every key of the kv head's top n is among its program's top n.
         slot = tl.arange(0, NP)
         tl.store(cand_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * NP + slot, tl.topk(key, NP))
+        if ST:
+            return
         # The last program of this kv head to get here sees every candidate (the barrier orders
         # the program's stores before its count; acq_rel publishes them and acquires the others').
         tl.debug_barrier()
@@ -608,20 +619,29 @@ if HAS_TRITON:
         """Top n of one kv head: a bitonic top n (tl.topk) of its programs' candidates, read at
         L2 (.cg) since other programs wrote them in this launch. A key holds its block id;
         invalid keys are negative, so slots they reach get -1."""
+        slot = tl.arange(0, NP)
+        tl.store(blocks_ptr + bh * N + slot, _top_blocks(cand_ptr, bh, NS, NPROG, NP, NPROGP), mask=slot < N)
+
+    @triton.jit
+    def _top_blocks(cand_ptr, bh, NS, NPROG, NP: tl.constexpr, NPROGP: tl.constexpr):
+        """The block ids of one kv head's top n candidates (-1 for invalid keys), [NP], in the
+        same order wherever it runs."""
         r = tl.arange(0, NPROGP)
         slot = tl.arange(0, NP)
         cand = tl.load(cand_ptr + (bh * NPROG + r[:, None]) * NP + slot[None, :], mask=(r < NPROG)[:, None],
                        other=-1, cache_modifier=".cg")
         top = tl.topk(tl.reshape(cand, [NPROGP * NP]), NP)
-        tl.store(blocks_ptr + bh * N + slot, tl.where(top >= 0, NS - 1 - top % 4294967296, -1), mask=slot < N)
+        return tl.where(top >= 0, NS - 1 - top % 4294967296, -1)
 
     @triton.jit
     def _sel_win_kernel(
-        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, m_c, l_c, acc_c, Hkv, T, w, scale,
+        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, cand_ptr, m_c, l_c, acc_c, Hkv, T, w, scale, NS,
+        NPROG,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
-        WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
+        WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, ST: tl.constexpr,
+        NP: tl.constexpr, NPROGP: tl.constexpr, PDL: tl.constexpr,
     ):
         """With WS, programs part < NW take the window chunks, which need nothing of B and never
         wait for it (first in the grid, so that they are dispatched before the programs waiting
@@ -633,7 +653,14 @@ if HAS_TRITON:
         pos = _load_pos(pos_ptr, b, T)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
         if part >= 0:
-            blk = tl.load(blocks_ptr + (bh + _pdl_wait(part, PDL)) * N + part)
+            if ST:
+                # B stored each of its programs' top n: every program of the kv head takes the
+                # same top n of them and attends over the block in its slot (and stores its id).
+                top = _top_blocks(cand_ptr, bh + _pdl_wait(part, PDL), NS, NPROG, NP, NPROGP)
+                blk = tl.sum(tl.where(tl.arange(0, NP) == part, top, 0))
+                tl.store(blocks_ptr + bh * N + part, blk)
+            else:
+                blk = tl.load(blocks_ptr + (bh + _pdl_wait(part, PDL)) * N + part)
             lo = tl.maximum(blk, 0) * SEL_BLOCK
             hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
             m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
