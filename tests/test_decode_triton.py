@@ -276,7 +276,7 @@ def test_kernels_gpu(name, B, dtype):
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
                    for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1},
                              {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0},
-                             {"ST": 0}, {"ST": 1}, {"ST": 1, "WS": 0})]
+                             {"ST": 0}, {"ST": 1}, {"ST": 1, "WS": 0}, {"ST": 1, "WS": 0, "SREG": 128})]
 
 
 @gpu
@@ -620,6 +620,7 @@ def test_phi_step_refuses_another_phi():
     ({"TMA": 2}, "TMA=2 must be 0 or 1"),
     ({"ST": -1}, "ST=-1 must be 0 or 1"),
     ({"maxnreg": 300}, "maxnreg=300 must be 0 \\(no cap\\) or 24..255"),
+    ({"SREG": 8}, "SREG=8 must be 0 \\(no cap\\) or 24..255"),
 ])
 def test_bad_tiles(tiles, message):
     # Checked before anything launches: the error names the key or the rule.

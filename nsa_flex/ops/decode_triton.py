@@ -29,7 +29,7 @@ B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's par
    score +inf, blocks after the query's own are out). A program stores the top n of its TI
    tiles' keys (a bitonic tl.topk): every key of the kv head's top n is among them. The last
    program of the kv head to finish (an atomic count; A zeroes the counters) takes the top n
-   of all its programs' candidates; or with ST (small batches) each of S's programs does.
+   of all its programs' candidates; or with ST (the default) each of S's programs does.
    Measured and dropped (H200, 64k; ..._decode_tiles_v4.json, ..._decode_tiles_v5*.json): a
    separate top-n kernel ranking each block against the candidates of the n tiles with the
    largest maxima (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8); that rank in the tail (B 13 us
@@ -124,7 +124,7 @@ partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), t
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
-             "FS", "TMA", "ST")
+             "FS", "TMA", "ST", "SREG")
 
 
 def _next_pow2(x: int) -> int:
@@ -175,8 +175,11 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     ST: B's programs store their top n and stop; each of S's selected programs takes the top n
     of those candidates itself and attends over the block in its slot, so that B loses its
     count, its last program and one store-load round trip. The step 18.5 / 18.6 us against
-    19.9 / 20.1 at B=1, 64k, but 49.4 against 49.0 / 49.1 at B=8, where S then needs 142
-    registers (..._decode_step_st_s11.json): on up to 16 kv heads, as WS."""
+    19.9 / 20.1 at B=1, 64k (..._decode_step_st_s11.json). At B=8 S then needs 142 registers,
+    3 programs per SM instead of 4 (49.4 against 49.0 / 49.1 us); SREG caps S's registers, and
+    with ST and SREG=128 (no spills) the step takes 48.1 / 47.9 against 48.8 / 48.7 us
+    (..._decode_step_st_b8_s11.json). So ST is on, and SREG=128 past 16 kv heads (at B=1 S
+    takes 128 uncapped)."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))
@@ -187,7 +190,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
             "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4),
-            "TMA": int(B * Hkv > 16), "ST": int(B * Hkv <= 16)}
+            "TMA": int(B * Hkv > 16), "ST": 1, "SREG": 128 if B * Hkv > 16 else 0}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -224,8 +227,9 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     for key in ("PDL", "WS", "FS", "TMA", "ST"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
-    if cfg.get("maxnreg") and not 24 <= cfg["maxnreg"] <= 255:
-        raise ValueError(f"decode tile maxnreg={cfg['maxnreg']} must be 0 (no cap) or 24..255 registers")
+    for key in ("maxnreg", "SREG"):
+        if cfg.get(key) and not 24 <= cfg[key] <= 255:
+            raise ValueError(f"decode tile {key}={cfg[key]} must be 0 (no cap) or 24..255 registers")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
@@ -301,6 +305,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, ST=st, NP=NP,
         NPROGP=_next_pow2(NPROG), num_warps=cfg["SW"], num_stages=cfg["num_stages"], **pdl_args,
+        **({"maxnreg": cfg["SREG"]} if cfg.get("SREG") else {}),
     )
     wrap_triton(_combine_kernel)[(BH, G)](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
