@@ -195,6 +195,18 @@ def test_kernels_interpreted_launch_layouts():
 
 
 @interpreter
+def test_kernels_interpreted_defaults_past_16_kv_heads():
+    # The default layout of larger batches (TMA, window in A, FS off, ST with S's registers
+    # capped), which the other interpreted tests, on few kv heads, do not reach.
+    cfg, T = CONFIGS["g4-dk64-dv32"]
+    positions = [T - 1, 95, 0, 300, 64, 511, 650, 17, 200]
+    assert len(positions) * cfg.n_kv_heads > 16
+    tiles = decode_triton.launch_config(len(positions), cfg.n_kv_heads, num_cmp_blocks(T, cfg), cfg)
+    assert (tiles["TMA"], tiles["WS"], tiles["FS"], tiles["ST"], tiles["SREG"]) == (1, 0, 0, 1, 128)
+    check_kernels(cfg, T, positions, torch.float32, "cpu")
+
+
+@interpreter
 def test_kernels_interpreted_tma_tiles_past_the_visible_entries():
     # With TMA, A loads whole tiles unmasked: what the cache holds past a sequence's visible
     # entries (NaN in K, any finite V, as decode_attend's contract says) must not change a bit of
