@@ -39,11 +39,21 @@ def parts(prob: _Problem) -> dict:
                              gates.reshape(B, cfg.n_kv_heads, cfg.group_size, 3), cfg, advance=True)
 
     def cache_only():
-        cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride)
+        cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
+                   phi_count=cache.phi_count)
         cache.lengths.add_(1)
 
+    # Every call completes a block: the lengths set to one that does (a fill kernel first).
+    fresh = prob.T + (cfg.cmp_block - 1 - prob.T) % cfg.cmp_stride
+
+    def cache_fresh():
+        cache.lengths.fill_(fresh)
+        cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
+                   phi_count=cache.phi_count)
+
     return {"step-eager": prob.nsa_step, "step-compiled": torch.compile(prob.nsa_step, fullgraph=True),
-            "op-eager": op_only, "cache_step-eager": cache_only}
+            "op-eager": op_only, "cache_step-eager": cache_only,
+            "cache_step-fresh": cache_fresh}
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ For a batch of B sequences of (possibly) different lengths, up to Tmax tokens ea
   is written when token i*d + l - 1 arrives (a new entry every d tokens once l are there);
 - the tail not yet compressed: the cmp branch's own (un-rotated) keys/values of the last l
   tokens, [B, Hkv, l, D], a ring indexed by position % l, from which phi builds each entry;
-- lengths [B]: tokens held per sequence, i.e. the position of each sequence's next token.
+- lengths [B]: tokens held per sequence, i.e. the position of each sequence's next token;
+- phi_count [B, 2]: scratch counts of the decode step's kernel, zero between steps.
 
 Head-major ([B, Hkv, T, D], as SDPA's dense decode reads it): each kv head's keys are one
 contiguous matrix, so the branch matmuls batch over (B, Hkv) without a copy.
@@ -61,6 +62,9 @@ class NSACache(nn.Module):
         buffer("k_tail", B, Hkv, l, Dk)
         buffer("v_tail", B, Hkv, l, Dv)
         buffer("lengths", B, dtype=torch.int64)
+        # cache_step's programs that share a completed block's phi count themselves in here; the
+        # last sets it back to 0 (nsa_flex.ops.cache_step.check_phi_count).
+        buffer("phi_count", B, 2, dtype=torch.int32)
 
     def extra_repr(self) -> str:
         return (f"batch_size={self.batch_size}, max_len={self.max_len}, max_cmp={self.max_cmp}, "

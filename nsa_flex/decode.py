@@ -138,7 +138,8 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
         case "op":
             # One op: the cache update, the attention, and cache.lengths advanced (on CUDA by the
             # attention's last kernel, with no launch of its own).
-            o_bhgd, blocks_bhn = step_attend(*_step_tensors(cache, pr), pos_b, phi_k, phi_v, q_bhgd, gates_bhg3, cfg)
+            o_bhgd, blocks_bhn = step_attend(*_step_tensors(cache, pr), pos_b, phi_k, phi_v, q_bhgd, gates_bhg3, cfg,
+                                             phi_count=cache.phi_count)
         case "torch":
             _write_token(cache, pr, pos_b)
             _update_compressed(cache, pos_b, phi_k, phi_v)

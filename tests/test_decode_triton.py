@@ -663,12 +663,14 @@ def _caches(cache: NSACache, separate: bool):
             cache.v_tail, cache.k_cmp, cache.v_cmp)
 
 
-def _check_cache_step(dtype, separate: bool, device: str):
+def _check_cache_step(dtype, separate: bool, device: str, count: bool = True, phi_tokens=None):
     """The kernel (the op on CUDA, _cache_step_triton under the interpreter) against the twin
     (the op's body on the CPU): every write exact, each completed entry within a rounding of
-    phi, nothing else touched."""
-    from nsa_flex.ops.cache_step import _cache_step_impl, _cache_step_triton
-    from nsa_flex.ops.phi_step import phi_params
+    phi, nothing else touched. count: with the cache's phi_count (back to 0 after), else one of
+    the kernel's own. The entries must equal nsa_flex::phi_step's kernel's bit for bit, given
+    the same chunks (the same sums in the same order)."""
+    from nsa_flex.ops.cache_step import _cache_step_impl, _cache_step_triton, write_token_torch
+    from nsa_flex.ops.phi_step import _phi_step_triton, phi_params
 
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(dtype, separate, device, D=32 if device == "cpu" else 128)
     l, d = cfg.cmp_block, cfg.cmp_stride
@@ -677,12 +679,14 @@ def _check_cache_step(dtype, separate: bool, device: str):
     params = [p if p is None else p.detach() for p in (*phi_params(phi_k), *phi_params(phi_v))]
     on_cpu = lambda xs: [x if x is None else x.cpu().clone() for x in xs]  # noqa: E731
     want, got = on_cpu(before), [x if x is None else x.clone() for x in before]
+    phi_count = cache.phi_count if count else None
     with torch.no_grad():
-        _cache_step_impl(*on_cpu(tokens), *want, pos.cpu(), *on_cpu(params), l, d)
+        _cache_step_impl(*on_cpu(tokens), *want, pos.cpu(), None, *on_cpu(params), l, d)
         if device == "cpu":
-            _cache_step_triton(*tokens, *got, pos, params[:5], params[5:], l, d)
+            _cache_step_triton(*tokens, *got, pos, phi_count, params[:5], params[5:], l, d, phi_tokens=phi_tokens)
         else:
-            torch.ops.nsa_flex.cache_step(*tokens, *got, pos, *params, l, d)
+            torch.ops.nsa_flex.cache_step(*tokens, *got, pos, phi_count, *params, l, d)
+    assert not cache.phi_count.any(), "the counts must be back to 0"
     for name, g, w, b in zip(names, got, want, before):
         if b is None:
             continue
@@ -694,6 +698,17 @@ def _check_cache_step(dtype, separate: bool, device: str):
             assert torch.equal(g != b, w != b), f"{name}: other entries touched"
         else:
             assert torch.equal(g, w), name
+    # The token written, then nsa_flex::phi_step's kernel (one program per head, the same chunks).
+    one = [x if x is None else x.clone() for x in before]
+    write_token_torch(tokens, one, pos, l)
+    with torch.no_grad():
+        for tail, cmp, side in ((one[4], one[6], params[:5]), (one[5], one[7], params[5:])):
+            if device == "cpu":
+                _phi_step_triton(tail, cmp, pos, *side, l, d, phi_tokens=phi_tokens)
+            else:
+                torch.ops.nsa_flex.phi_step(tail, cmp, pos, *side, l, d)
+    for name, g, o in zip(names[6:], got[6:], one[6:]):
+        assert torch.equal(g, o), f"{name}: cache_step and phi_step differ"
 
 
 # bf16 is left to the GPU test (see test_phi_step_kernel_equals_twin).
@@ -704,11 +719,32 @@ def test_cache_step_kernel_equals_twin(dtype, separate):
     _check_cache_step(dtype, separate, "cpu")
 
 
+@interpreter
+@pytest.mark.parametrize("phi_tokens", [4, 8, 32])
+def test_cache_step_phi_chunks_equal_twin(phi_tokens):
+    # 8, 4 or 1 programs per sequence and side share a completed block's phi (the last to
+    # arrive finishes it), with the cache's count or one of the kernel's own: within a rounding
+    # of the twin, and the counts back to 0, so that the next block's split counts again.
+    for count in (True, False):
+        _check_cache_step(torch.float32, True, "cpu", count, phi_tokens=phi_tokens)
+
+
+def test_cache_step_refuses_a_bad_phi_count():
+    from nsa_flex.ops import cache_step
+
+    cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate=False)
+    for bad in (cache.phi_count.long(), cache.phi_count[:, :1], torch.zeros(5, 2, 2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"phi_count must be a contiguous int32 tensor of shape \[5, 2\]"):
+            cache_step(tokens, _caches(cache, False), pos, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride,
+                       phi_count=bad)
+
+
 @gpu
 @pytest.mark.parametrize("separate", [False, True], ids=["shared-kv", "separate-kv"])
 def test_cache_step_kernel_on_gpu_equals_twin(separate):
     for dtype in (torch.float32, torch.bfloat16):
-        _check_cache_step(dtype, separate, "cuda")
+        for count in (True, False):
+            _check_cache_step(dtype, separate, "cuda", count)
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["shared-kv", "separate-kv"])
@@ -719,7 +755,8 @@ def test_cache_step_opcheck(separate):
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate)
     params = [p.detach() if p is not None else None for p in (*phi_params(phi_k), *phi_params(phi_v))]
     torch.library.opcheck(torch.ops.nsa_flex.cache_step.default,
-                          (*tokens, *_caches(cache, separate), pos, *params, cfg.cmp_block, cfg.cmp_stride))
+                          (*tokens, *_caches(cache, separate), pos, cache.phi_count, *params, cfg.cmp_block,
+                           cfg.cmp_stride))
 
 
 def test_cache_step_refuses_window_tokens_without_window_caches():
@@ -753,8 +790,9 @@ def test_step_attend_equals_cache_step_then_decode_attend(separate):
     other = copy.deepcopy(cache)
     pos_other = pos.clone()
     tokens, caches, pos, phi_k, phi_v, q, gates = _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, separate)
-    o, blocks = step_attend(tokens, caches, pos, phi_k, phi_v, q, gates, cfg)
-    cache_step(tokens, _caches(other, separate), pos_other, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride)
+    o, blocks = step_attend(tokens, caches, pos, phi_k, phi_v, q, gates, cfg, phi_count=cache.phi_count)
+    cache_step(tokens, _caches(other, separate), pos_other, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride,
+               phi_count=other.phi_count)
     k_win, v_win = (other.k_win, other.v_win) if separate else (other.k, other.v)
     o_want, blocks_want = decode_attend(q, other.k, other.v, k_win, v_win, other.k_cmp, other.v_cmp, pos_other, gates,
                                         cfg, advance=True)
@@ -771,8 +809,9 @@ def test_step_attend_opcheck():
     tokens, caches, pos, phi_k, phi_v, q, gates = _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, True)
     params = [p.detach() if p is not None else None for p in (*phi_params(phi_k), *phi_params(phi_v))]
     torch.library.opcheck(torch.ops.nsa_flex.step_attend.default,
-                          (*tokens, *caches, pos, *params, q, gates, cfg.head_dim ** -0.5, cfg.cmp_block,
-                           cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.n_initial, cfg.n_local, cfg.window))
+                          (*tokens, *caches, pos, cache.phi_count, *params, q, gates, cfg.head_dim ** -0.5,
+                           cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.n_initial, cfg.n_local,
+                           cfg.window))
 
 
 def test_step_attend_bad_input():
@@ -819,7 +858,7 @@ def test_gpu_step_attend_graph_equals_the_two_ops_without_pdl():
     other = copy.deepcopy(cache)
 
     def fused():
-        return step_attend(tokens, _caches(cache, False), cache.lengths, *phi, q, gates, cfg)
+        return step_attend(tokens, _caches(cache, False), cache.lengths, *phi, q, gates, cfg, phi_count=cache.phi_count)
 
     def two_ops():
         cache_step(tokens, _caches(other, False), other.lengths, *phi, cfg.cmp_block, cfg.cmp_stride)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.library import custom_op
 
 from nsa_flex.ops import decode_triton
-from nsa_flex.ops.phi_step import _DTYPES, _phi_step_torch, phi_params
+from nsa_flex.ops.phi_step import _DTYPES, PHI_WARPS, _phi_step_torch, phi_chunk_tokens, phi_params
 
 if decode_triton.HAS_TRITON:
     import triton
@@ -30,29 +30,48 @@ if decode_triton.HAS_TRITON:
     from torch.library import wrap_triton
 
     from nsa_flex.ops.decode_triton import _pdl_wait
-    from nsa_flex.ops.phi_step import _phi_into
+    from nsa_flex.ops.phi_step import _phi_finish, _phi_fresh, _phi_partial, _phi_w1, _phi_x
 
 
 def cache_step(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...], pos: Tensor, phi_k: nn.Module,
-               phi_v: nn.Module, cmp_block: int, cmp_stride: int) -> None:
+               phi_v: nn.Module, cmp_block: int, cmp_stride: int, *, phi_count: Optional[Tensor] = None) -> None:
     """Writes one token per sequence at positions pos [B] and compresses where a block completes.
 
     tokens: (k, v, k_win, v_win, k_cmp, v_cmp), each [B, Hkv, D] (k_win/v_win None without
     separate window projections; k_cmp/v_cmp are phi's un-rotated inputs); caches: (k, v, k_win,
     v_win, k_tail, v_tail, k_cmp, v_cmp) of an NSACache (k_win/v_win None likewise), updated in
-    place; phi_k, phi_v: the layer's Compressors.
+    place; phi_k, phi_v: the layer's Compressors. phi_count: the NSACache's (see check_phi_count):
+    with it the kernel splits a completed block's phi over several programs per head.
     """
     check_tokens(tokens, caches)
+    check_phi_count(phi_count, pos, caches[0])
     k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok = tokens
     k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp = caches
     torch.ops.nsa_flex.cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail,
-                                  k_cmp, v_cmp, pos, *phi_params(phi_k), *phi_params(phi_v), cmp_block, cmp_stride)
+                                  k_cmp, v_cmp, pos, phi_count, *phi_params(phi_k), *phi_params(phi_v), cmp_block,
+                                  cmp_stride)
 
 
 def check_tokens(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Tensor], ...]) -> None:
     """The window pair: tokens and caches both given (separate K/V) or both None."""
     if (tokens[2] is None) != (caches[2] is None) or (tokens[3] is None) != (caches[3] is None):
         raise ValueError("window tokens and window caches must both be given (separate K/V) or both be None")
+
+
+def check_phi_count(phi_count: Optional[Tensor], pos: Tensor, k: Tensor) -> None:
+    """phi_count: None, or int32 [B, 2] on the cache's device, as NSACache allocates it.
+
+    The kernel's programs of a (sequence, keys or values) count themselves in there, and the last
+    one to arrive finishes phi and sets the count back to 0; so it must hold zeros when first
+    given (NSACache zero-fills it) and serve one cache only.
+    """
+    if phi_count is None:
+        return
+    want = (k.shape[0], 2)
+    if phi_count.dtype != torch.int32 or tuple(phi_count.shape) != want or phi_count.device != k.device \
+            or not phi_count.is_contiguous():
+        raise ValueError(f"phi_count must be a contiguous int32 tensor of shape {list(want)} on {k.device} "
+                         f"(NSACache.phi_count); got {phi_count.dtype} {list(phi_count.shape)} on {phi_count.device}")
 
 
 def write_token_torch(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Tensor], ...], pos: Tensor,
@@ -73,17 +92,17 @@ def write_token_torch(tokens: tuple[Optional[Tensor], ...], caches: tuple[Option
 def _cache_step_impl(
     k_tok: Tensor, v_tok: Tensor, kw_tok: Optional[Tensor], vw_tok: Optional[Tensor], kc_tok: Tensor, vc_tok: Tensor,
     k: Tensor, v: Tensor, k_win: Optional[Tensor], v_win: Optional[Tensor], k_tail: Tensor, v_tail: Tensor,
-    k_cmp: Tensor, v_cmp: Tensor, pos: Tensor,
+    k_cmp: Tensor, v_cmp: Tensor, pos: Tensor, phi_count: Optional[Tensor],
     pe_k: Tensor, w1_k: Tensor, b1_k: Optional[Tensor], w2_k: Tensor, b2_k: Optional[Tensor],
     pe_v: Tensor, w1_v: Tensor, b1_v: Optional[Tensor], w2_v: Tensor, b2_v: Optional[Tensor],
     cmp_block: int, cmp_stride: int,
 ) -> None:
     run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
-                   pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
+                   pos, phi_count, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
 
 
 def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
-                   pos, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block: int,
+                   pos, phi_count, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block: int,
                    cmp_stride: int) -> tuple[Tensor, ...]:
     """The op's body. Returns the tensors the Triton kernel reads (copies made for it included):
     a caller that launches more kernels right after it keeps them alive until those have
@@ -96,7 +115,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
               and all(n >= 16 and n & (n - 1) == 0 for n in widths)
               and w2_k.shape[0] == k.shape[-1] and w2_v.shape[0] == v.shape[-1])
     if usable:
-        return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos,
+        return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos, phi_count,
                                   (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block,
                                   cmp_stride)
     write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
@@ -108,7 +127,8 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
 # A custom_op, opaque to Inductor, not a triton_op: Inductor launches a triton_op's kernels
 # itself and drops launch_pdl on the way (ops/decode_triton.py, _pdl_wait).
 _cache_step_op = custom_op(
-    "nsa_flex::cache_step", mutates_args=("k", "v", "k_win", "v_win", "k_tail", "v_tail", "k_cmp", "v_cmp"),
+    "nsa_flex::cache_step",
+    mutates_args=("k", "v", "k_win", "v_win", "k_tail", "v_tail", "k_cmp", "v_cmp", "phi_count"),
 )(_cache_step_impl)
 
 
@@ -118,7 +138,10 @@ def _cache_step_fake(*args) -> None:
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
-                       v_cmp, pos, phi_k, phi_v, cmp_block: int, cmp_stride: int) -> tuple[Tensor, ...]:
+                       v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
+                       phi_tokens: Optional[int] = None) -> tuple[Tensor, ...]:
+    """phi_tokens: tokens per phi program (tests; default phi_chunk_tokens). Without phi_count
+    the kernel counts in a zeroed tensor of its own (one more launch)."""
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -129,17 +152,26 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
     k_win, v_win = (k_win, v_win) if separate else (k, v)
     (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v) = (
         (pe.contiguous(), w1.contiguous(), b1, w2.contiguous(), b2) for pe, w1, b1, w2, b2 in (phi_k, phi_v))
-    wrap_triton(_cache_step_kernel)[(B * Hkv, 2)](
+    H1 = max(w1_k.shape[0], w1_v.shape[0])
+    tpc = phi_tokens or phi_chunk_tokens(cmp_block, H1, max(Dk, Dv))
+    chunks = -(-cmp_block // tpc)
+    if phi_count is None:
+        phi_count = torch.zeros((B, 2), dtype=torch.int32, device=k.device)
+    # The chunks' first-layer sums of every kv head.
+    parts = torch.empty((B, 2, Hkv, chunks, H1), dtype=torch.float32, device=k.device)
+    wrap_triton(_cache_step_kernel)[(B, 2 * chunks)](
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
+        phi_count, parts,
         pe_k, w1_k, w1_k if b1_k is None else b1_k, w2_k, w2_k if b2_k is None else b2_k,
         pe_v, w1_v, w1_v if b1_v is None else b1_v, w2_v, w2_v if b2_v is None else b2_v,
-        Hkv, T, k_cmp.shape[2],
+        T, k_cmp.shape[2],
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
-        L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], SEPARATE=separate,
-        HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None, HAS_B2V=b2_v is not None,
-        num_warps=8, **decode_triton.pdl_launch(k.device, True),
+        HKV=Hkv, L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], H1=H1,
+        SEPARATE=separate, HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None,
+        HAS_B2V=b2_v is not None, TPC=tpc, CHUNKS=chunks, num_warps=PHI_WARPS,
+        **decode_triton.pdl_launch(k.device, True),
     )
-    return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v)
+    return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v, parts)
 
 
 if decode_triton.HAS_TRITON:
@@ -147,45 +179,89 @@ if decode_triton.HAS_TRITON:
     @triton.jit
     def _cache_step_kernel(
         kt_ptr, vt_ptr, kwt_ptr, vwt_ptr, kct_ptr, vct_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, ktail_ptr, vtail_ptr,
-        kc_ptr, vc_ptr, pos_ptr, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, Hkv, T, Tc,
+        kc_ptr, vc_ptr, pos_ptr, count_ptr, parts_ptr, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v,
+        T, Tc,
         skt_b, skt_h, svt_b, svt_h, skwt_b, skwt_h, svwt_b, svwt_h, skct_b, skct_h, svct_b, svct_h,
-        L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, H1K: tl.constexpr,
-        H1V: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr, HAS_B2K: tl.constexpr,
-        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, PDL: tl.constexpr,
+        HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        H1K: tl.constexpr, H1V: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr, HAS_B2K: tl.constexpr,
+        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """Program (sequence * kv head, side): side 0 writes and compresses the keys, side 1 the values.
-        With PDL it is launched before the kernel ahead of it ends and waits for it first (the
-        token's k/v come from there), then lets decode_attend's first kernel launch."""
-        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
-        b = bh // Hkv
-        h = bh % Hkv
+        """Program (sequence, chunk * 2 + side), side 0 the keys, side 1 the values, for every kv
+        head of the sequence: chunk 0 writes the tokens; where pos completes a block, each chunk's
+        program takes phi's first layer over its TPC tokens, and the last to finish the rest
+        (_phi_split). With PDL it is launched before the kernel ahead of it ends and waits for
+        it first (the tokens come from there), then lets decode_attend's first kernel launch."""
+        b = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        side = tl.program_id(1) % 2
+        chunk = tl.program_id(1) // 2
         # A position past the cache is a caller's bug (decode checks it eagerly); clamped, it
         # cannot write out of bounds.
         pos = tl.minimum(tl.load(pos_ptr + b), T - 1)
-        if tl.program_id(1) == 0:
-            _write_compress(kt_ptr + b * skt_b + h * skt_h, kwt_ptr + b * skwt_b + h * skwt_h,
-                            kct_ptr + b * skct_b + h * skct_h, k_ptr, kw_ptr, ktail_ptr, kc_ptr, bh, pos, T, Tc,
-                            pe_k, w1_k, b1_k, w2_k, b2_k, L, STRIDE, DK, H1K, SEPARATE, HAS_B1K, HAS_B2K)
+        sync = (b * 2 + side).to(tl.int64)
+        count, parts = count_ptr + sync, parts_ptr + sync * HKV * CHUNKS * H1
+        if side == 0:
+            _write_compress(kt_ptr, skt_b, skt_h, kwt_ptr, skwt_b, skwt_h, kct_ptr, skct_b, skct_h, k_ptr, kw_ptr,
+                            ktail_ptr, kc_ptr, b, pos, T, Tc, pe_k, w1_k, b1_k, w2_k, b2_k, count, parts, chunk,
+                            HKV, L, STRIDE, DK, H1K, SEPARATE, HAS_B1K, HAS_B2K, TPC, CHUNKS)
         else:
-            _write_compress(vt_ptr + b * svt_b + h * svt_h, vwt_ptr + b * svwt_b + h * svwt_h,
-                            vct_ptr + b * svct_b + h * svct_h, v_ptr, vw_ptr, vtail_ptr, vc_ptr, bh, pos, T, Tc,
-                            pe_v, w1_v, b1_v, w2_v, b2_v, L, STRIDE, DV, H1V, SEPARATE, HAS_B1V, HAS_B2V)
+            _write_compress(vt_ptr, svt_b, svt_h, vwt_ptr, svwt_b, svwt_h, vct_ptr, svct_b, svct_h, v_ptr, vw_ptr,
+                            vtail_ptr, vc_ptr, b, pos, T, Tc, pe_v, w1_v, b1_v, w2_v, b2_v, count, parts, chunk,
+                            HKV, L, STRIDE, DV, H1V, SEPARATE, HAS_B1V, HAS_B2V, TPC, CHUNKS)
 
     @triton.jit
-    def _write_compress(tok_ptr, wtok_ptr, ctok_ptr, cache_ptr, win_ptr, tail_ptr, cmp_ptr, bh, pos, T, Tc,
-                        pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, L: tl.constexpr, STRIDE: tl.constexpr,
-                        D: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1: tl.constexpr,
-                        HAS_B2: tl.constexpr):
-        """One head's side of the step (contiguous [B, Hkv, *, D] caches)."""
+    def _write_compress(tok_ptr, st_b, st_h, wtok_ptr, swt_b, swt_h, ctok_ptr, sct_b, sct_h, cache_ptr, win_ptr,
+                        tail_ptr, cmp_ptr, b, pos, T, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr,
+                        parts_ptr, chunk, HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
+                        H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+                        TPC: tl.constexpr, CHUNKS: tl.constexpr):
+        """One side of the step for the kv heads of sequence b (contiguous [B, Hkv, *, D] caches).
+        phi reads the block's last token from the input rather than from the ring slot that
+        chunk 0 writes."""
         d = tl.arange(0, D)
-        bh = bh.to(tl.int64)
-        dst = (bh * T + pos) * D + d
-        tl.store(cache_ptr + dst, tl.load(tok_ptr + d).to(cache_ptr.dtype.element_ty))
-        if SEPARATE:
-            tl.store(win_ptr + dst, tl.load(wtok_ptr + d).to(win_ptr.dtype.element_ty))
-        tail = tail_ptr + bh * L * D
-        tl.store(tail + (pos % L) * D + d, tl.load(ctok_ptr + d).to(tail_ptr.dtype.element_ty))
-        # The ring slot just written is read back by other threads of this program.
+        b = b.to(tl.int64)
+        if chunk == 0:
+            for h in tl.static_range(HKV):
+                bh = b * HKV + h
+                dst = (bh * T + pos) * D + d
+                tl.store(cache_ptr + dst, tl.load(tok_ptr + b * st_b + h * st_h + d).to(cache_ptr.dtype.element_ty))
+                if SEPARATE:
+                    tl.store(win_ptr + dst,
+                             tl.load(wtok_ptr + b * swt_b + h * swt_h + d).to(win_ptr.dtype.element_ty))
+                tl.store(tail_ptr + (bh * L + pos % L) * D + d,
+                         tl.load(ctok_ptr + b * sct_b + h * sct_h + d).to(tail_ptr.dtype.element_ty))
+        if _phi_fresh(pos, Tc, L, STRIDE):
+            _phi_split(tail_ptr + b * HKV * L * D, ctok_ptr + b * sct_b, sct_h, cmp_ptr + b * HKV * Tc * D, pos, Tc,
+                       pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr, chunk, HKV, L, STRIDE, D, H1,
+                       HAS_B1, HAS_B2, TPC, CHUNKS)
+
+    @triton.jit
+    def _phi_split(tail, tok, sct_h, cmp, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr,
+                   chunk, HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
+                   H1: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr,
+                   CHUNKS: tl.constexpr):
+        """phi of one sequence's completed blocks (every kv head; pointers at the sequence) over
+        CHUNKS programs: each loads its chunk of w1 once and stores every head's first-layer sums
+        over it; the last to count itself in (it then sees every chunk's) adds them in chunk
+        order, as _phi_into does (the same bits as nsa_flex::phi_step), finishes phi and sets
+        the count back to 0 for the next block. Loops unrolled, so that their loads are in
+        flight together: a loop over the chunks' sums was one round trip each.
+
+        Measured on the H200 at 64k (bench/results/2026-11-25_h200_phi_split_s12*.json): one
+        program per head doing all the chunks waits on one w1 tile after another, 28 us where a
+        block completes, and the step 48.2 / 18.6 us at B=8 / B=1; split over 8 programs per
+        head, 16 / 8 us and the step 46.7 / 17.7 us."""
+        rows = tl.arange(0, H1)
+        w = _phi_w1(w1_ptr, chunk * TPC, L, D, H1, TPC)
+        for h in tl.static_range(HKV):
+            x = _phi_x(tail + h * L * D, D, tok + h * sct_h, pos, pe_ptr, w1_ptr, chunk * TPC, L, D, TPC, True)
+            tl.store(parts_ptr + (h * CHUNKS + chunk) * H1 + rows, _phi_partial(w, x))
+        # The barrier orders every thread's stores before the count; acq_rel publishes them and
+        # acquires the other programs' (whose sums are then read at L2, .cg).
         tl.debug_barrier()
-        _phi_into(tail, D, cmp_ptr + bh * Tc * D, D, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-                  L, STRIDE, D, H1, D, HAS_B1, HAS_B2)
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+            tl.store(count_ptr, 0)
+            for h in tl.static_range(HKV):
+                acc = tl.zeros([H1], dtype=tl.float32)
+                for i in tl.static_range(CHUNKS):
+                    acc += tl.load(parts_ptr + (h * CHUNKS + i) * H1 + rows, cache_modifier=".cg")
+                _phi_finish(acc, cmp + h * Tc * D, D, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D, HAS_B1, HAS_B2)

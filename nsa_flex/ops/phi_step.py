@@ -92,19 +92,36 @@ def _phi_step_torch(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp
     cmp[b, :, entry_b] = torch.where(write_b[:, None, None], new_bhd, cmp[b, :, entry_b])
 
 
-def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int) -> None:
+PHI_WARPS = 8
+"""Warps of a program running phi (here and in cache_step): the layout of its sums, so both
+kernels, given the same chunks, round alike."""
+
+
+def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int) -> int:
+    """Tokens of the block whose first-layer products a program takes at once (a power of two):
+    a [TPC, H1, D_in] tile of w1 of at most 2^15 elements, loaded in one go so that the chunk's
+    weights are in flight together (2 tokens at H1 = D_in = 128). cache_step keeps the tile
+    while it goes over a sequence's kv heads: 2^16 elements took it to 255 registers and
+    spills (ptxas for sm_90a), 2^15 to 212 without."""
+    return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 15) // (h1 * d_in)))
+
+
+def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int, *,
+                     phi_tokens: int | None = None) -> None:
+    """phi_tokens: tokens per chunk (tests; default phi_chunk_tokens)."""
     B, Hkv, l, D_in = tail.shape
     H1, D_out = w1.shape[0], w2.shape[0]
     for name, n in (("head dim", D_in), ("hidden width", H1), ("output dim", D_out)):
         if n & (n - 1) or n < 16:
             raise ValueError(f"phi_step on CUDA: phi's {name} {n} must be a power of two >= 16")
     w1, w2, pos_enc = w1.contiguous(), w2.contiguous(), pos_enc.contiguous()
+    tpc = phi_tokens or phi_chunk_tokens(l, H1, D_in)
     wrap_triton(_phi_step_kernel)[(B * Hkv,)](
         tail, cmp, pos, pos_enc, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2,
         Hkv, cmp.shape[2],
         tail.stride(0), tail.stride(1), tail.stride(2), cmp.stride(0), cmp.stride(1), cmp.stride(2),
         L=l, STRIDE=cmp_stride, D_IN=D_in, H1=H1, D_OUT=D_out, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
-        num_warps=8,
+        TPC=tpc, num_warps=PHI_WARPS,
     )
 
 
@@ -114,41 +131,84 @@ if decode_triton.HAS_TRITON:
     def _phi_step_kernel(tail_ptr, cmp_ptr, pos_ptr, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, Hkv, T_max,
                          s_tb, s_th, s_tl, s_cb, s_ch, s_ct,
                          L: tl.constexpr, STRIDE: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr,
-                         D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+                         D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr):
         pid = tl.program_id(0)
         b = pid // Hkv
         h = pid % Hkv
         pos = tl.load(pos_ptr + b)
-        _phi_into(tail_ptr + b * s_tb + h * s_th, s_tl, cmp_ptr + b * s_cb + h * s_ch, s_ct, pos, T_max,
-                  pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, D_IN, H1, D_OUT, HAS_B1, HAS_B2)
+        _phi_into(tail_ptr + b * s_tb + h * s_th, s_tl, tail_ptr, cmp_ptr + b * s_cb + h * s_ch, s_ct, pos, T_max,
+                  pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, D_IN, H1, D_OUT, HAS_B1, HAS_B2, TPC, False)
 
     @triton.jit
-    def _phi_into(tail_ptr, s_tl, cmp_ptr, s_ct, pos, T_max, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-                  L: tl.constexpr, STRIDE: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr,
-                  D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
-        """phi of the block ending at pos into its entry of one (sequence, kv head)'s compressed
-        cache, if pos completes a block: tail_ptr/cmp_ptr point at that head's ring and cache."""
+    def _phi_fresh(pos, T_max, L: tl.constexpr, STRIDE: tl.constexpr):
+        """Whether pos completes a block whose entry lies in the cache."""
         done = pos + 1 - L
-        if (done >= 0) & (done % STRIDE == 0) & (done // STRIDE < T_max):
-            dtype = w1_ptr.dtype.element_ty
-            rows = tl.arange(0, H1)
-            d_in = tl.arange(0, D_IN)
+        return (done >= 0) & (done % STRIDE == 0) & (done // STRIDE < T_max)
+
+    @triton.jit
+    def _phi_w1(w1_ptr, j0, L: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr, TPC: tl.constexpr):
+        """w1's columns of the block's tokens j0 .. j0+TPC-1, zero past L: [TPC, H1, D_in] in w1's
+        dtype, loaded in one go so that the chunk's weights are in flight together."""
+        jj = j0 + tl.arange(0, TPC)
+        rows = tl.arange(0, H1)
+        d_in = tl.arange(0, D_IN)
+        return tl.load(w1_ptr + rows[None, :, None] * (L * D_IN) + jj[:, None, None] * D_IN + d_in[None, None, :],
+                       mask=(jj < L)[:, None, None], other=0.0)
+
+    @triton.jit
+    def _phi_x(tail_ptr, s_tl, tok_ptr, pos, pe_ptr, w1_ptr, j0, L: tl.constexpr, D_IN: tl.constexpr,
+               TPC: tl.constexpr, FROM_TOKEN: tl.constexpr):
+        """phi's input rows of the block's tokens j0 .. j0+TPC-1 (block plus position encoding,
+        rounded to w1's dtype), zero past L: [TPC, D_in] fp32. FROM_TOKEN: the block's last token
+        (ring slot pos % L) is read from tok_ptr, where the caller has it in hand."""
+        dtype = w1_ptr.dtype.element_ty
+        jj = j0 + tl.arange(0, TPC)
+        ok = jj < L
+        d_in = tl.arange(0, D_IN)
+        # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L.
+        slot = (pos - L + 1 + jj) % L
+        x = tl.load(tail_ptr + slot[:, None] * s_tl + d_in[None, :], mask=ok[:, None], other=0.0)
+        if FROM_TOKEN:
+            tok = tl.load(tok_ptr + d_in).to(tail_ptr.dtype.element_ty)
+            x = tl.where((jj == L - 1)[:, None], tok[None, :], x)
+        pe = tl.load(pe_ptr + jj[:, None] * D_IN + d_in[None, :], mask=ok[:, None], other=0.0)
+        return (x.to(dtype) + pe.to(dtype)).to(tl.float32)
+
+    @triton.jit
+    def _phi_partial(w, x):
+        """The first layer's sums over one chunk: w [TPC, H1, D_in], x [TPC, D_in] -> [H1] fp32."""
+        return tl.sum(tl.sum(w.to(tl.float32) * x[:, None, :], axis=2), axis=0)
+
+    @triton.jit
+    def _phi_finish(acc, cmp_ptr, s_ct, pos, b1_ptr, w2_ptr, b2_ptr, L: tl.constexpr, STRIDE: tl.constexpr,
+                    H1: tl.constexpr, D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
+        """From the first layer's sums acc [H1] fp32: bias, GELU, the second layer, the entry stored."""
+        dtype = w2_ptr.dtype.element_ty
+        rows = tl.arange(0, H1)
+        if HAS_B1:
+            acc += tl.load(b1_ptr + rows).to(tl.float32)
+        hid = acc.to(dtype).to(tl.float32)
+        hid = (0.5 * hid * (1.0 + tl.math.erf(hid * 0.7071067811865476))).to(dtype).to(tl.float32)
+        outs = tl.arange(0, D_OUT)
+        w2 = tl.load(w2_ptr + outs[:, None] * H1 + rows[None, :]).to(tl.float32)
+        out = tl.sum(w2 * hid[None, :], axis=1)
+        if HAS_B2:
+            out += tl.load(b2_ptr + outs).to(tl.float32)
+        dst = cmp_ptr + ((pos + 1 - L) // STRIDE) * s_ct + outs
+        tl.store(dst, out.to(dtype).to(cmp_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _phi_into(tail_ptr, s_tl, tok_ptr, cmp_ptr, s_ct, pos, T_max, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+                  L: tl.constexpr, STRIDE: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr,
+                  D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr,
+                  FROM_TOKEN: tl.constexpr):
+        """phi of the block ending at pos into its entry of one (sequence, kv head)'s compressed
+        cache, if pos completes a block: tail_ptr/cmp_ptr point at that head's ring and cache.
+        The chunks of TPC tokens are summed in order, as cache_step's programs that split them
+        are (_phi_split), so the two give the same bits."""
+        if _phi_fresh(pos, T_max, L, STRIDE):
             acc = tl.zeros([H1], dtype=tl.float32)
-            for j in range(L):
-                # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L.
-                slot = (pos - L + 1 + j) % L
-                x = tl.load(tail_ptr + slot * s_tl + d_in).to(dtype)
-                x = (x + tl.load(pe_ptr + j * D_IN + d_in).to(dtype)).to(tl.float32)
-                w = tl.load(w1_ptr + rows[:, None] * (L * D_IN) + j * D_IN + d_in[None, :]).to(tl.float32)
-                acc += tl.sum(w * x[None, :], axis=1)
-            if HAS_B1:
-                acc += tl.load(b1_ptr + rows).to(tl.float32)
-            hid = acc.to(dtype).to(tl.float32)
-            hid = (0.5 * hid * (1.0 + tl.math.erf(hid * 0.7071067811865476))).to(dtype).to(tl.float32)
-            outs = tl.arange(0, D_OUT)
-            w2 = tl.load(w2_ptr + outs[:, None] * H1 + rows[None, :]).to(tl.float32)
-            out = tl.sum(w2 * hid[None, :], axis=1)
-            if HAS_B2:
-                out += tl.load(b2_ptr + outs).to(tl.float32)
-            dst = cmp_ptr + (done // STRIDE) * s_ct + outs
-            tl.store(dst, out.to(dtype).to(cmp_ptr.dtype.element_ty))
+            for j0 in range(0, L, TPC):
+                acc += _phi_partial(_phi_w1(w1_ptr, j0, L, D_IN, H1, TPC),
+                                    _phi_x(tail_ptr, s_tl, tok_ptr, pos, pe_ptr, w1_ptr, j0, L, D_IN, TPC, FROM_TOKEN))
+            _phi_finish(acc, cmp_ptr, s_ct, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D_OUT, HAS_B1, HAS_B2)
