@@ -9,7 +9,7 @@ For a batch of B sequences of (possibly) different lengths, up to Tmax tokens ea
 - the tail not yet compressed: the cmp branch's own (un-rotated) keys/values of the last l
   tokens, [B, Hkv, l, D], a ring indexed by position % l, from which phi builds each entry;
 - lengths [B]: tokens held per sequence, i.e. the position of each sequence's next token;
-- phi_count [B, 2]: scratch counts of the decode step's kernel, zero between steps.
+- phi_count [B, Hkv, 2]: scratch counts of the decode step's kernel, zero between steps.
 
 Head-major ([B, Hkv, T, D], as SDPA's dense decode reads it): each kv head's keys are one
 contiguous matrix, so the branch matmuls batch over (B, Hkv) without a copy.
@@ -64,7 +64,7 @@ class NSACache(nn.Module):
         buffer("lengths", B, dtype=torch.int64)
         # cache_step's programs that share a completed block's phi count themselves in here; the
         # last sets it back to 0 (nsa_flex.ops.cache_step.check_phi_count).
-        buffer("phi_count", B, 2, dtype=torch.int32)
+        buffer("phi_count", B, Hkv, 2, dtype=torch.int32)
 
     def extra_repr(self) -> str:
         return (f"batch_size={self.batch_size}, max_len={self.max_len}, max_cmp={self.max_cmp}, "

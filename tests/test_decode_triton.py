@@ -722,8 +722,8 @@ def test_cache_step_kernel_equals_twin(dtype, separate):
 @interpreter
 @pytest.mark.parametrize("phi_tokens", [4, 8, 32])
 def test_cache_step_phi_chunks_equal_twin(phi_tokens):
-    # 8, 4 or 1 programs per sequence and side share a completed block's phi (the last to
-    # arrive finishes it), with the cache's count or one of the kernel's own: within a rounding
+    # 8, 4 or 1 programs per head and side share a completed block's phi (the last to arrive
+    # finishes it), with the cache's count or one of the kernel's own: within a rounding
     # of the twin, and the counts back to 0, so that the next block's split counts again.
     for count in (True, False):
         _check_cache_step(torch.float32, True, "cpu", count, phi_tokens=phi_tokens)
@@ -733,8 +733,8 @@ def test_cache_step_refuses_a_bad_phi_count():
     from nsa_flex.ops import cache_step
 
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate=False)
-    for bad in (cache.phi_count.long(), cache.phi_count[:, :1], torch.zeros(5, 2, 2, dtype=torch.int32)):
-        with pytest.raises(ValueError, match=r"phi_count must be a contiguous int32 tensor of shape \[5, 2\]"):
+    for bad in (cache.phi_count.long(), cache.phi_count[:, :1], torch.zeros(5, 2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"phi_count must be a contiguous int32 tensor of shape \[5, 2, 2\]"):
             cache_step(tokens, _caches(cache, False), pos, phi_k, phi_v, cfg.cmp_block, cfg.cmp_stride,
                        phi_count=bad)
 

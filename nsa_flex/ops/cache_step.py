@@ -59,15 +59,15 @@ def check_tokens(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Te
 
 
 def check_phi_count(phi_count: Optional[Tensor], pos: Tensor, k: Tensor) -> None:
-    """phi_count: None, or int32 [B, 2] on the cache's device, as NSACache allocates it.
+    """phi_count: None, or int32 [B, Hkv, 2] on the cache's device, as NSACache allocates it.
 
-    The kernel's programs of a (sequence, keys or values) count themselves in there, and the last
-    one to arrive finishes phi and sets the count back to 0; so it must hold zeros when first
-    given (NSACache zero-fills it) and serve one cache only.
+    The kernel's programs of a (sequence, kv head, keys or values) count themselves in there, and
+    the last one to arrive finishes phi and sets the count back to 0; so it must hold zeros when
+    first given (NSACache zero-fills it) and serve one cache only.
     """
     if phi_count is None:
         return
-    want = (k.shape[0], 2)
+    want = (k.shape[0], k.shape[1], 2)
     if phi_count.dtype != torch.int32 or tuple(phi_count.shape) != want or phi_count.device != k.device \
             or not phi_count.is_contiguous():
         raise ValueError(f"phi_count must be a contiguous int32 tensor of shape {list(want)} on {k.device} "
@@ -137,6 +137,12 @@ def _cache_step_fake(*args) -> None:
     return None
 
 
+LAUNCH = {"maxnreg": 128}
+"""The kernel's register cap. Uncapped, ptxas gives it 255 registers (one program per SM, while
+most programs return at once); at 128 it spills 100 bytes, on the path where a block completes.
+bench/decode_step_gap_gpu.py --cache-step-maxnreg times another."""
+
+
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
                        v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
                        phi_tokens: Optional[int] = None) -> tuple[Tensor, ...]:
@@ -156,10 +162,10 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
     tpc = phi_tokens or phi_chunk_tokens(cmp_block, H1, max(Dk, Dv))
     chunks = -(-cmp_block // tpc)
     if phi_count is None:
-        phi_count = torch.zeros((B, 2), dtype=torch.int32, device=k.device)
-    # The chunks' first-layer sums of every kv head.
-    parts = torch.empty((B, 2, Hkv, chunks, H1), dtype=torch.float32, device=k.device)
-    wrap_triton(_cache_step_kernel)[(B, 2 * chunks)](
+        phi_count = torch.zeros((B, Hkv, 2), dtype=torch.int32, device=k.device)
+    # The chunks' first-layer sums.
+    parts = torch.empty((B * Hkv, 2, chunks, H1), dtype=torch.float32, device=k.device)
+    wrap_triton(_cache_step_kernel)[(B * Hkv, 2 * chunks)](
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
         phi_count, parts,
         pe_k, w1_k, w1_k if b1_k is None else b1_k, w2_k, w2_k if b2_k is None else b2_k,
@@ -168,7 +174,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         HKV=Hkv, L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], H1=H1,
         SEPARATE=separate, HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None,
-        HAS_B2V=b2_v is not None, TPC=tpc, CHUNKS=chunks, num_warps=PHI_WARPS,
+        HAS_B2V=b2_v is not None, TPC=tpc, CHUNKS=chunks, num_warps=PHI_WARPS, **LAUNCH,
         **decode_triton.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v, parts)
@@ -183,85 +189,83 @@ if decode_triton.HAS_TRITON:
         T, Tc,
         skt_b, skt_h, svt_b, svt_h, skwt_b, skwt_h, svwt_b, svwt_h, skct_b, skct_h, svct_b, svct_h,
         HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        H1K: tl.constexpr, H1V: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr, HAS_B2K: tl.constexpr,
-        HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr,
+        H1K: tl.constexpr, H1V: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr,
+        HAS_B2K: tl.constexpr, HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        """Program (sequence, chunk * 2 + side), side 0 the keys, side 1 the values, for every kv
-        head of the sequence: chunk 0 writes the tokens; where pos completes a block, each chunk's
-        program takes phi's first layer over its TPC tokens, and the last to finish the rest
-        (_phi_split). With PDL it is launched before the kernel ahead of it ends and waits for
-        it first (the tokens come from there), then lets decode_attend's first kernel launch."""
-        b = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        """Program (sequence * kv head, chunk * 2 + side), side 0 the keys, side 1 the values:
+        chunk 0 writes the token; where pos completes a block, each chunk's program takes phi's
+        first layer over its TPC tokens, and the last to finish the rest (_phi_split). With PDL
+        it is launched before the kernel ahead of it ends and waits for it first (the tokens come
+        from there), then lets decode_attend's first kernel launch."""
+        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         side = tl.program_id(1) % 2
         chunk = tl.program_id(1) // 2
+        b = bh // HKV
+        h = bh % HKV
         # A position past the cache is a caller's bug (decode checks it eagerly); clamped, it
         # cannot write out of bounds.
         pos = tl.minimum(tl.load(pos_ptr + b), T - 1)
-        sync = (b * 2 + side).to(tl.int64)
-        count, parts = count_ptr + sync, parts_ptr + sync * HKV * CHUNKS * H1
+        sync = (bh * 2 + side).to(tl.int64)
+        count, parts = count_ptr + sync, parts_ptr + sync * CHUNKS * H1
         if side == 0:
-            _write_compress(kt_ptr, skt_b, skt_h, kwt_ptr, skwt_b, skwt_h, kct_ptr, skct_b, skct_h, k_ptr, kw_ptr,
-                            ktail_ptr, kc_ptr, b, pos, T, Tc, pe_k, w1_k, b1_k, w2_k, b2_k, count, parts, chunk,
-                            HKV, L, STRIDE, DK, H1K, SEPARATE, HAS_B1K, HAS_B2K, TPC, CHUNKS)
+            _write_compress(kt_ptr + b * skt_b + h * skt_h, kwt_ptr + b * skwt_b + h * skwt_h,
+                            kct_ptr + b * skct_b + h * skct_h, k_ptr, kw_ptr, ktail_ptr, kc_ptr, bh, pos, T, Tc,
+                            pe_k, w1_k, b1_k, w2_k, b2_k, count, parts, chunk, L, STRIDE, DK, H1K, SEPARATE,
+                            HAS_B1K, HAS_B2K, TPC, CHUNKS)
         else:
-            _write_compress(vt_ptr, svt_b, svt_h, vwt_ptr, svwt_b, svwt_h, vct_ptr, svct_b, svct_h, v_ptr, vw_ptr,
-                            vtail_ptr, vc_ptr, b, pos, T, Tc, pe_v, w1_v, b1_v, w2_v, b2_v, count, parts, chunk,
-                            HKV, L, STRIDE, DV, H1V, SEPARATE, HAS_B1V, HAS_B2V, TPC, CHUNKS)
+            _write_compress(vt_ptr + b * svt_b + h * svt_h, vwt_ptr + b * svwt_b + h * svwt_h,
+                            vct_ptr + b * svct_b + h * svct_h, v_ptr, vw_ptr, vtail_ptr, vc_ptr, bh, pos, T, Tc,
+                            pe_v, w1_v, b1_v, w2_v, b2_v, count, parts, chunk, L, STRIDE, DV, H1V, SEPARATE,
+                            HAS_B1V, HAS_B2V, TPC, CHUNKS)
 
     @triton.jit
-    def _write_compress(tok_ptr, st_b, st_h, wtok_ptr, swt_b, swt_h, ctok_ptr, sct_b, sct_h, cache_ptr, win_ptr,
-                        tail_ptr, cmp_ptr, b, pos, T, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr,
-                        parts_ptr, chunk, HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
-                        H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
-                        TPC: tl.constexpr, CHUNKS: tl.constexpr):
-        """One side of the step for the kv heads of sequence b (contiguous [B, Hkv, *, D] caches).
-        phi reads the block's last token from the input rather than from the ring slot that
-        chunk 0 writes."""
+    def _write_compress(tok_ptr, wtok_ptr, ctok_ptr, cache_ptr, win_ptr, tail_ptr, cmp_ptr, bh, pos, T, Tc,
+                        pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr, chunk, L: tl.constexpr,
+                        STRIDE: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr,
+                        HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr):
+        """One head's side of the step (contiguous [B, Hkv, *, D] caches). phi reads the block's
+        last token from the input rather than from the ring slot that chunk 0 writes."""
         d = tl.arange(0, D)
-        b = b.to(tl.int64)
+        bh = bh.to(tl.int64)
+        tail = tail_ptr + bh * L * D
         if chunk == 0:
-            for h in tl.static_range(HKV):
-                bh = b * HKV + h
-                dst = (bh * T + pos) * D + d
-                tl.store(cache_ptr + dst, tl.load(tok_ptr + b * st_b + h * st_h + d).to(cache_ptr.dtype.element_ty))
-                if SEPARATE:
-                    tl.store(win_ptr + dst,
-                             tl.load(wtok_ptr + b * swt_b + h * swt_h + d).to(win_ptr.dtype.element_ty))
-                tl.store(tail_ptr + (bh * L + pos % L) * D + d,
-                         tl.load(ctok_ptr + b * sct_b + h * sct_h + d).to(tail_ptr.dtype.element_ty))
+            dst = (bh * T + pos) * D + d
+            tl.store(cache_ptr + dst, tl.load(tok_ptr + d).to(cache_ptr.dtype.element_ty))
+            if SEPARATE:
+                tl.store(win_ptr + dst, tl.load(wtok_ptr + d).to(win_ptr.dtype.element_ty))
+            tl.store(tail + (pos % L) * D + d, tl.load(ctok_ptr + d).to(tail_ptr.dtype.element_ty))
         if _phi_fresh(pos, Tc, L, STRIDE):
-            _phi_split(tail_ptr + b * HKV * L * D, ctok_ptr + b * sct_b, sct_h, cmp_ptr + b * HKV * Tc * D, pos, Tc,
-                       pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr, chunk, HKV, L, STRIDE, D, H1,
-                       HAS_B1, HAS_B2, TPC, CHUNKS)
+            _phi_split(tail, ctok_ptr, cmp_ptr + bh * Tc * D, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+                       count_ptr, parts_ptr, chunk, L, STRIDE, D, H1, HAS_B1, HAS_B2, TPC, CHUNKS)
 
     @triton.jit
-    def _phi_split(tail, tok, sct_h, cmp, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr,
-                   chunk, HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
-                   H1: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr,
-                   CHUNKS: tl.constexpr):
-        """phi of one sequence's completed blocks (every kv head; pointers at the sequence) over
-        CHUNKS programs: each loads its chunk of w1 once and stores every head's first-layer sums
-        over it; the last to count itself in (it then sees every chunk's) adds them in chunk
-        order, as _phi_into does (the same bits as nsa_flex::phi_step), finishes phi and sets
-        the count back to 0 for the next block. Loops unrolled, so that their loads are in
-        flight together: a loop over the chunks' sums was one round trip each.
+    def _phi_split(tail, tok_ptr, cmp_ptr, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr,
+                   chunk, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, H1: tl.constexpr,
+                   HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr):
+        """phi of one head's completed block over CHUNKS programs: each stores its chunk's
+        first-layer sums, and the last to count itself in (it then sees every chunk's) adds them
+        in chunk order, as _phi_into does (the same bits as nsa_flex::phi_step), finishes phi and
+        sets the count back to 0 for the next block. The sum is unrolled, so that its loads are in
+        flight together.
 
-        Measured on the H200 at 64k (bench/results/2026-11-25_h200_phi_split_s12*.json): one
-        program per head doing all the chunks waits on one w1 tile after another, 28 us where a
-        block completes, and the step 48.2 / 18.6 us at B=8 / B=1; split over 8 programs per
-        head, 16 / 8 us and the step 46.7 / 17.7 us."""
+        Measured on the H200 at 64k, a call that completes a block / the step, at B=8 and B=1
+        (bench/results/2026-11-25_h200_phi_split_s12.json; the call's figures include a fill
+        kernel): one program per head going over the chunks in turn, 28 us (the kernel before
+        this one went over the 32 tokens in turn) / 48.2 and 18.6 us; 8 programs per head, the
+        chunks summed in a loop, 16 / 8 us, the step 46.7 / 17.7 us; 16 programs per sequence
+        over its 4 heads (one w1 load for them; 197 registers), 23 / 17 us, the step 47.2 /
+        17.3 us: the last program then finishes four heads in turn."""
         rows = tl.arange(0, H1)
-        w = _phi_w1(w1_ptr, chunk * TPC, L, D, H1, TPC)
-        for h in tl.static_range(HKV):
-            x = _phi_x(tail + h * L * D, D, tok + h * sct_h, pos, pe_ptr, w1_ptr, chunk * TPC, L, D, TPC, True)
-            tl.store(parts_ptr + (h * CHUNKS + chunk) * H1 + rows, _phi_partial(w, x))
+        tl.store(parts_ptr + chunk * H1 + rows,
+                 _phi_partial(_phi_w1(w1_ptr, chunk * TPC, L, D, H1, TPC),
+                              _phi_x(tail, D, tok_ptr, pos, pe_ptr, w1_ptr, chunk * TPC, L, D, TPC, True)))
         # The barrier orders every thread's stores before the count; acq_rel publishes them and
         # acquires the other programs' (whose sums are then read at L2, .cg).
         tl.debug_barrier()
         if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
             tl.store(count_ptr, 0)
-            for h in tl.static_range(HKV):
-                acc = tl.zeros([H1], dtype=tl.float32)
-                for i in tl.static_range(CHUNKS):
-                    acc += tl.load(parts_ptr + (h * CHUNKS + i) * H1 + rows, cache_modifier=".cg")
-                _phi_finish(acc, cmp + h * Tc * D, D, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D, HAS_B1, HAS_B2)
+            acc = tl.zeros([H1], dtype=tl.float32)
+            for i in tl.static_range(CHUNKS):
+                acc += tl.load(parts_ptr + i * H1 + rows, cache_modifier=".cg")
+            _phi_finish(acc, cmp_ptr, D, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D, HAS_B1, HAS_B2)

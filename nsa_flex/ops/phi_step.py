@@ -99,11 +99,10 @@ kernels, given the same chunks, round alike."""
 
 def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int) -> int:
     """Tokens of the block whose first-layer products a program takes at once (a power of two):
-    a [TPC, H1, D_in] tile of w1 of at most 2^15 elements, loaded in one go so that the chunk's
-    weights are in flight together (2 tokens at H1 = D_in = 128). cache_step keeps the tile
-    while it goes over a sequence's kv heads: 2^16 elements took it to 255 registers and
-    spills (ptxas for sm_90a), 2^15 to 212 without."""
-    return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 15) // (h1 * d_in)))
+    a [TPC, H1, D_in] tile of w1 of at most 2^16 elements, loaded in one go so that the chunk's
+    weights are in flight together (4 tokens at H1 = D_in = 128; cache_step's kernel then takes
+    110 registers, no spills, per ptxas for sm_90a)."""
+    return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 16) // (h1 * d_in)))
 
 
 def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int, *,
