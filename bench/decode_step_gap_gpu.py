@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import statistics
 import sys
@@ -75,12 +74,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=[],
                    help="also time the step (eager, from a graph) with these launch_config overrides, "
                         "KEY=INT[,KEY=INT...]; a variant may repeat")
-    p.add_argument("--cache-step-maxnreg", type=int, default=None,
-                   help="cache_step's kernel's register cap for this run (0: none; default: the module's)")
     args = p.parse_args()
-    if args.cache_step_maxnreg is not None:
-        cache_step_module = importlib.import_module("nsa_flex.ops.cache_step")
-        cache_step_module.LAUNCH = {"maxnreg": args.cache_step_maxnreg} if args.cache_step_maxnreg else {}
     rows = []
     for case in args.cases:
         B, T = (int(x) for x in case.split(":"))
@@ -101,8 +95,7 @@ def main() -> None:
         torch._dynamo.reset()
         del prob
         torch.cuda.empty_cache()
-    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "argv": sys.argv[1:],
-              "cache_step_launch": importlib.import_module("nsa_flex.ops.cache_step").LAUNCH}
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "argv": sys.argv[1:]}
     args.out.write_text(json.dumps({"header": header, "rows": rows}, indent=1))
 
 

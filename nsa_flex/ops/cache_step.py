@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.library import custom_op
 
 from nsa_flex.ops import decode_triton
-from nsa_flex.ops.phi_step import _DTYPES, PHI_WARPS, _phi_step_torch, phi_chunk_tokens, phi_params
+from nsa_flex.ops.phi_step import _DTYPES, _phi_step_torch, phi_params
 
 if decode_triton.HAS_TRITON:
     import triton
@@ -30,7 +30,7 @@ if decode_triton.HAS_TRITON:
     from torch.library import wrap_triton
 
     from nsa_flex.ops.decode_triton import _pdl_wait
-    from nsa_flex.ops.phi_step import _phi_finish, _phi_fresh, _phi_partial, _phi_w1, _phi_x
+    from nsa_flex.ops.phi_step import _phi_fresh
 
 
 def cache_step(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...], pos: Tensor, phi_k: nn.Module,
@@ -137,17 +137,24 @@ def _cache_step_fake(*args) -> None:
     return None
 
 
-LAUNCH = {"maxnreg": 128}
-"""The kernel's register cap. Uncapped, ptxas gives it 255 registers (one program per SM, while
-most programs return at once); at 128 it spills 100 bytes, on the path where a block completes.
-bench/decode_step_gap_gpu.py --cache-step-maxnreg times another."""
+def phi_rows(rows: int) -> int:
+    """Rows (sequence x kv head) per program of phi's matmuls: a power of two, 16 to 64."""
+    return min(64, max(16, 1 << max(0, rows - 1).bit_length()))
+
+
+def phi_dot_tokens(cmp_block: int, h1: int, d_in: int, elem_size: int) -> int:
+    """Tokens of the block per program of phi's first layer (a power of two): its [TPC * D_in,
+    H1] slice of w1 at most 64 KB (2 tokens at H1 = D_in = 128 in bf16), so that the programs
+    share w1's bytes about evenly and the slice fits in shared memory."""
+    return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 16) // (h1 * d_in * elem_size)))
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
                        v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
-                       phi_tokens: Optional[int] = None) -> tuple[Tensor, ...]:
-    """phi_tokens: tokens per phi program (tests; default phi_chunk_tokens). Without phi_count
-    the kernel counts in a zeroed tensor of its own (one more launch)."""
+                       phi_tokens: Optional[int] = None, rows: Optional[int] = None) -> tuple[Tensor, ...]:
+    """phi_tokens, rows: tokens and rows per phi program (tests; default phi_dot_tokens,
+    phi_rows). Without phi_count the kernel counts in a zeroed tensor of its own (one more
+    launch)."""
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -159,22 +166,24 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
     (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v) = (
         (pe.contiguous(), w1.contiguous(), b1, w2.contiguous(), b2) for pe, w1, b1, w2, b2 in (phi_k, phi_v))
     H1 = max(w1_k.shape[0], w1_v.shape[0])
-    tpc = phi_tokens or phi_chunk_tokens(cmp_block, H1, max(Dk, Dv))
+    RB = rows or phi_rows(B * Hkv)
+    tpc = phi_tokens or phi_dot_tokens(cmp_block, H1, max(Dk, Dv), max(w1_k.element_size(), w1_v.element_size()))
     chunks = -(-cmp_block // tpc)
+    nrb = -(-B * Hkv // RB)
     if phi_count is None:
         phi_count = torch.zeros((B, Hkv, 2), dtype=torch.int32, device=k.device)
-    # The chunks' first-layer sums.
-    parts = torch.empty((B * Hkv, 2, chunks, H1), dtype=torch.float32, device=k.device)
-    wrap_triton(_cache_step_kernel)[(B * Hkv, 2 * chunks)](
+    # The chunks' first-layer sums, per side and block of rows.
+    parts = torch.empty((2, nrb, chunks, RB, H1), dtype=torch.float32, device=k.device)
+    wrap_triton(_cache_step_kernel)[(nrb, 2 * chunks)](
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
         phi_count, parts,
         pe_k, w1_k, w1_k if b1_k is None else b1_k, w2_k, w2_k if b2_k is None else b2_k,
         pe_v, w1_v, w1_v if b1_v is None else b1_v, w2_v, w2_v if b2_v is None else b2_v,
-        T, k_cmp.shape[2],
+        B * Hkv, T, k_cmp.shape[2],
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         HKV=Hkv, L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], H1=H1,
         SEPARATE=separate, HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None,
-        HAS_B2V=b2_v is not None, TPC=tpc, CHUNKS=chunks, num_warps=PHI_WARPS, **LAUNCH,
+        HAS_B2V=b2_v is not None, RB=RB, TPC=tpc, CHUNKS=chunks, F32_DOT=k.device.type == "cpu", num_warps=8,
         **decode_triton.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v, parts)
@@ -186,86 +195,136 @@ if decode_triton.HAS_TRITON:
     def _cache_step_kernel(
         kt_ptr, vt_ptr, kwt_ptr, vwt_ptr, kct_ptr, vct_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, ktail_ptr, vtail_ptr,
         kc_ptr, vc_ptr, pos_ptr, count_ptr, parts_ptr, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v,
-        T, Tc,
+        BH, T, Tc,
         skt_b, skt_h, svt_b, svt_h, skwt_b, skwt_h, svwt_b, svwt_h, skct_b, skct_h, svct_b, svct_h,
         HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         H1K: tl.constexpr, H1V: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr,
-        HAS_B2K: tl.constexpr, HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr,
-        PDL: tl.constexpr,
+        HAS_B2K: tl.constexpr, HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, RB: tl.constexpr, TPC: tl.constexpr,
+        CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
     ):
-        """Program (sequence * kv head, chunk * 2 + side), side 0 the keys, side 1 the values:
-        chunk 0 writes the token; where pos completes a block, each chunk's program takes phi's
-        first layer over its TPC tokens, and the last to finish the rest (_phi_split). With PDL
-        it is launched before the kernel ahead of it ends and waits for it first (the tokens come
-        from there), then lets decode_attend's first kernel launch."""
-        bh = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        """Program (block of RB rows = sequence * kv head, chunk * 2 + side), side 0 the keys,
+        side 1 the values: chunk 0 writes the rows' tokens; where a row's pos completes a block,
+        each chunk's program multiplies the rows' inputs over its TPC tokens by w1's slice, and
+        the last of them finishes phi for the block of rows (_phi_rows). With PDL it is
+        launched before the kernel ahead of it ends and waits for it first (the tokens come from
+        there), then lets decode_attend's first kernel launch."""
+        rb = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         side = tl.program_id(1) % 2
         chunk = tl.program_id(1) // 2
-        b = bh // HKV
-        h = bh % HKV
+        r = rb * RB + tl.arange(0, RB)
+        ok = r < BH
+        b = r // HKV
+        h = r % HKV
         # A position past the cache is a caller's bug (decode checks it eagerly); clamped, it
         # cannot write out of bounds.
-        pos = tl.minimum(tl.load(pos_ptr + b), T - 1)
-        sync = (bh * 2 + side).to(tl.int64)
-        count, parts = count_ptr + sync, parts_ptr + sync * CHUNKS * H1
+        pos = tl.minimum(tl.load(pos_ptr + b, mask=ok, other=0), T - 1)
+        sync = side * tl.num_programs(0) + rb
+        count, parts = count_ptr + sync, parts_ptr + sync.to(tl.int64) * CHUNKS * RB * H1
         if side == 0:
             _write_compress(kt_ptr + b * skt_b + h * skt_h, kwt_ptr + b * skwt_b + h * skwt_h,
-                            kct_ptr + b * skct_b + h * skct_h, k_ptr, kw_ptr, ktail_ptr, kc_ptr, bh, pos, T, Tc,
+                            kct_ptr + b * skct_b + h * skct_h, k_ptr, kw_ptr, ktail_ptr, kc_ptr, r, ok, pos, T, Tc,
                             pe_k, w1_k, b1_k, w2_k, b2_k, count, parts, chunk, L, STRIDE, DK, H1K, SEPARATE,
-                            HAS_B1K, HAS_B2K, TPC, CHUNKS)
+                            HAS_B1K, HAS_B2K, RB, TPC, CHUNKS, F32_DOT)
         else:
             _write_compress(vt_ptr + b * svt_b + h * svt_h, vwt_ptr + b * svwt_b + h * svwt_h,
-                            vct_ptr + b * svct_b + h * svct_h, v_ptr, vw_ptr, vtail_ptr, vc_ptr, bh, pos, T, Tc,
+                            vct_ptr + b * svct_b + h * svct_h, v_ptr, vw_ptr, vtail_ptr, vc_ptr, r, ok, pos, T, Tc,
                             pe_v, w1_v, b1_v, w2_v, b2_v, count, parts, chunk, L, STRIDE, DV, H1V, SEPARATE,
-                            HAS_B1V, HAS_B2V, TPC, CHUNKS)
+                            HAS_B1V, HAS_B2V, RB, TPC, CHUNKS, F32_DOT)
 
     @triton.jit
-    def _write_compress(tok_ptr, wtok_ptr, ctok_ptr, cache_ptr, win_ptr, tail_ptr, cmp_ptr, bh, pos, T, Tc,
+    def _write_compress(tok_ptrs, wtok_ptrs, ctok_ptrs, cache_ptr, win_ptr, tail_ptr, cmp_ptr, r, ok, pos, T, Tc,
                         pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr, chunk, L: tl.constexpr,
                         STRIDE: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr,
-                        HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr):
-        """One head's side of the step (contiguous [B, Hkv, *, D] caches). phi reads the block's
-        last token from the input rather than from the ring slot that chunk 0 writes."""
+                        HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, RB: tl.constexpr, TPC: tl.constexpr,
+                        CHUNKS: tl.constexpr, F32_DOT: tl.constexpr):
+        """One side of the step for a block of rows (contiguous [B, Hkv, *, D] caches; the
+        token pointers [RB] at each row's token)."""
         d = tl.arange(0, D)
-        bh = bh.to(tl.int64)
-        tail = tail_ptr + bh * L * D
+        r = r.to(tl.int64)
         if chunk == 0:
-            dst = (bh * T + pos) * D + d
-            tl.store(cache_ptr + dst, tl.load(tok_ptr + d).to(cache_ptr.dtype.element_ty))
+            m = ok[:, None]
+            dst = (r * T + pos)[:, None] * D + d[None, :]
+            tl.store(cache_ptr + dst, tl.load(tok_ptrs[:, None] + d[None, :], mask=m).to(cache_ptr.dtype.element_ty),
+                     mask=m)
             if SEPARATE:
-                tl.store(win_ptr + dst, tl.load(wtok_ptr + d).to(win_ptr.dtype.element_ty))
-            tl.store(tail + (pos % L) * D + d, tl.load(ctok_ptr + d).to(tail_ptr.dtype.element_ty))
-        if _phi_fresh(pos, Tc, L, STRIDE):
-            _phi_split(tail, ctok_ptr, cmp_ptr + bh * Tc * D, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-                       count_ptr, parts_ptr, chunk, L, STRIDE, D, H1, HAS_B1, HAS_B2, TPC, CHUNKS)
+                tl.store(win_ptr + dst,
+                         tl.load(wtok_ptrs[:, None] + d[None, :], mask=m).to(win_ptr.dtype.element_ty), mask=m)
+            tl.store(tail_ptr + (r * L + pos % L)[:, None] * D + d[None, :],
+                     tl.load(ctok_ptrs[:, None] + d[None, :], mask=m).to(tail_ptr.dtype.element_ty), mask=m)
+        fresh = _phi_fresh(pos, Tc, L, STRIDE) & ok
+        if tl.max(fresh.to(tl.int32), axis=0) > 0:
+            _phi_rows(tail_ptr + r * L * D, ctok_ptrs, cmp_ptr + r * Tc * D, fresh, pos, pe_ptr, w1_ptr, b1_ptr,
+                      w2_ptr, b2_ptr, count_ptr, parts_ptr, chunk, L, STRIDE, D, H1, HAS_B1, HAS_B2, RB, TPC, CHUNKS,
+                      F32_DOT)
 
     @triton.jit
-    def _phi_split(tail, tok_ptr, cmp_ptr, pos, Tc, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr,
-                   chunk, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, H1: tl.constexpr,
-                   HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr, CHUNKS: tl.constexpr):
-        """phi of one head's completed block over CHUNKS programs: each stores its chunk's
-        first-layer sums, and the last to count itself in (it then sees every chunk's) adds them
-        in chunk order, as _phi_into does (the same bits as nsa_flex::phi_step), finishes phi and
-        sets the count back to 0 for the next block. The sum is unrolled, so that its loads are in
-        flight together.
+    def _phi_rows(tails, toks, cmps, fresh, pos, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, count_ptr, parts_ptr,
+                  chunk, L: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr, H1: tl.constexpr,
+                  HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, RB: tl.constexpr, TPC: tl.constexpr,
+                  CHUNKS: tl.constexpr, F32_DOT: tl.constexpr):
+        """phi for the fresh rows of a block (pointers [RB] at each row's ring, token and
+        compressed cache) over CHUNKS programs, as two matmuls: each program multiplies the
+        rows' inputs over its TPC tokens, [RB, TPC * D], by w1's slice and stores the sums; the
+        last to count itself in (it then sees every chunk's) adds them in chunk order, applies
+        bias and GELU, multiplies by w2 and stores the fresh rows' entries, and sets the count
+        back to 0 for the next block. Rounding as the module's (see phi_step): inputs and the
+        hidden layer in w1's dtype, products summed in fp32.
 
         Measured on the H200 at 64k, a call that completes a block / the step, at B=8 and B=1
         (bench/results/2026-11-25_h200_phi_split_s12.json; the call's figures include a fill
         kernel): one program per head going over the chunks in turn, 28 us (the kernel before
-        this one went over the 32 tokens in turn) / 48.2 and 18.6 us; 8 programs per head, the
-        chunks summed in a loop, 16 / 8 us, the step 46.7 / 17.7 us; 16 programs per sequence
-        over its 4 heads (one w1 load for them; 197 registers), 23 / 17 us, the step 47.2 /
-        17.3 us: the last program then finishes four heads in turn."""
-        rows = tl.arange(0, H1)
-        tl.store(parts_ptr + chunk * H1 + rows,
-                 _phi_partial(_phi_w1(w1_ptr, chunk * TPC, L, D, H1, TPC),
-                              _phi_x(tail, D, tok_ptr, pos, pe_ptr, w1_ptr, chunk * TPC, L, D, TPC, True)))
+        went over the 32 tokens in turn) / 48.2 and 18.6 us; 8 programs per head (w1's 1 MB read
+        by every head: 64 MB at B=8), 19 / 9 us, the step 46.6 / 16.9 us."""
+        dtype = w1_ptr.dtype.element_ty
+        KC: tl.constexpr = TPC * D
+        kk = tl.arange(0, KC)
+        j = chunk * TPC + kk // D
+        dd = kk % D
+        jok = j < L
+        m = fresh[:, None] & jok[None, :]
+        # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L; the block's last one
+        # (slot pos % L, which chunk 0 writes) comes from the input.
+        last = (j == L - 1)[None, :]
+        x = tl.load(tails[:, None] + (((pos[:, None] - L + 1 + j[None, :]) % L) * D + dd[None, :]), mask=m & ~last,
+                    other=0.0)
+        tok = tl.load(toks[:, None] + dd[None, :], mask=m & last, other=0.0).to(tails.dtype.element_ty)
+        pe = tl.load(pe_ptr + j * D + dd, mask=jok, other=0.0)
+        x = tl.where(last, tok, x).to(dtype) + pe.to(dtype)[None, :]
+        hh = tl.arange(0, H1)
+        # Block pointers: a [KC, H1] tensor of 64-bit addresses took 255 registers and spilled.
+        w1 = tl.load(tl.make_block_ptr(w1_ptr, (H1, L * D), (L * D, 1), (0, chunk * KC), (H1, KC), (1, 0)),
+                     boundary_check=(1,), padding_option="zero")
+        rr = tl.arange(0, RB)
+        tl.store(parts_ptr + chunk * RB * H1 + rr[:, None] * H1 + hh[None, :], _phi_dot(x, tl.trans(w1), F32_DOT))
         # The barrier orders every thread's stores before the count; acq_rel publishes them and
         # acquires the other programs' (whose sums are then read at L2, .cg).
         tl.debug_barrier()
         if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
             tl.store(count_ptr, 0)
-            acc = tl.zeros([H1], dtype=tl.float32)
-            for i in tl.static_range(CHUNKS):
-                acc += tl.load(parts_ptr + i * H1 + rows, cache_modifier=".cg")
-            _phi_finish(acc, cmp_ptr, D, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D, HAS_B1, HAS_B2)
+            # Four chunks' sums in flight at a time: all of them unrolled took 255 registers and spilled.
+            acc = tl.zeros([RB, H1], dtype=tl.float32)
+            for i0 in range(0, CHUNKS, 4):
+                for i in tl.static_range(4):
+                    acc += tl.load(parts_ptr + (i0 + i) * RB * H1 + rr[:, None] * H1 + hh[None, :],
+                                   mask=i0 + i < CHUNKS, other=0.0, cache_modifier=".cg")
+            if HAS_B1:
+                acc += tl.load(b1_ptr + hh).to(tl.float32)[None, :]
+            hid = acc.to(dtype).to(tl.float32)
+            hid = (0.5 * hid * (1.0 + tl.math.erf(hid * 0.7071067811865476))).to(dtype)
+            outs = tl.arange(0, D)
+            w2 = tl.load(tl.make_block_ptr(w2_ptr, (D, H1), (H1, 1), (0, 0), (D, H1), (1, 0)))
+            out = _phi_dot(hid, tl.trans(w2), F32_DOT)
+            if HAS_B2:
+                out += tl.load(b2_ptr + outs).to(tl.float32)[None, :]
+            entry = (pos + 1 - L) // STRIDE
+            tl.store(cmps[:, None] + entry[:, None] * D + outs[None, :], out.to(dtype).to(cmps.dtype.element_ty),
+                     mask=fresh[:, None])
+
+    @triton.jit
+    def _phi_dot(a, b, F32_DOT: tl.constexpr):
+        """a @ b summed in fp32: on tensor cores in 16 bits, in fp32 (ieee) otherwise and under the
+        interpreter, whose dot misreads bf16."""
+        if F32_DOT or (a.dtype == tl.float32):
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)

@@ -92,16 +92,10 @@ def _phi_step_torch(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp
     cmp[b, :, entry_b] = torch.where(write_b[:, None, None], new_bhd, cmp[b, :, entry_b])
 
 
-PHI_WARPS = 8
-"""Warps of a program running phi (here and in cache_step): the layout of its sums, so both
-kernels, given the same chunks, round alike."""
-
-
 def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int) -> int:
     """Tokens of the block whose first-layer products a program takes at once (a power of two):
     a [TPC, H1, D_in] tile of w1 of at most 2^16 elements, loaded in one go so that the chunk's
-    weights are in flight together (4 tokens at H1 = D_in = 128; cache_step's kernel then takes
-    110 registers, no spills, per ptxas for sm_90a)."""
+    weights are in flight together (4 tokens at H1 = D_in = 128)."""
     return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 16) // (h1 * d_in)))
 
 
@@ -120,7 +114,7 @@ def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cm
         Hkv, cmp.shape[2],
         tail.stride(0), tail.stride(1), tail.stride(2), cmp.stride(0), cmp.stride(1), cmp.stride(2),
         L=l, STRIDE=cmp_stride, D_IN=D_in, H1=H1, D_OUT=D_out, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
-        TPC=tpc, num_warps=PHI_WARPS,
+        TPC=tpc, num_warps=8,
     )
 
 
@@ -135,8 +129,8 @@ if decode_triton.HAS_TRITON:
         b = pid // Hkv
         h = pid % Hkv
         pos = tl.load(pos_ptr + b)
-        _phi_into(tail_ptr + b * s_tb + h * s_th, s_tl, tail_ptr, cmp_ptr + b * s_cb + h * s_ch, s_ct, pos, T_max,
-                  pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, D_IN, H1, D_OUT, HAS_B1, HAS_B2, TPC, False)
+        _phi_into(tail_ptr + b * s_tb + h * s_th, s_tl, cmp_ptr + b * s_cb + h * s_ch, s_ct, pos, T_max,
+                  pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, D_IN, H1, D_OUT, HAS_B1, HAS_B2, TPC)
 
     @triton.jit
     def _phi_fresh(pos, T_max, L: tl.constexpr, STRIDE: tl.constexpr):
@@ -155,11 +149,9 @@ if decode_triton.HAS_TRITON:
                        mask=(jj < L)[:, None, None], other=0.0)
 
     @triton.jit
-    def _phi_x(tail_ptr, s_tl, tok_ptr, pos, pe_ptr, w1_ptr, j0, L: tl.constexpr, D_IN: tl.constexpr,
-               TPC: tl.constexpr, FROM_TOKEN: tl.constexpr):
+    def _phi_x(tail_ptr, s_tl, pos, pe_ptr, w1_ptr, j0, L: tl.constexpr, D_IN: tl.constexpr, TPC: tl.constexpr):
         """phi's input rows of the block's tokens j0 .. j0+TPC-1 (block plus position encoding,
-        rounded to w1's dtype), zero past L: [TPC, D_in] fp32. FROM_TOKEN: the block's last token
-        (ring slot pos % L) is read from tok_ptr, where the caller has it in hand."""
+        rounded to w1's dtype), zero past L: [TPC, D_in] fp32."""
         dtype = w1_ptr.dtype.element_ty
         jj = j0 + tl.arange(0, TPC)
         ok = jj < L
@@ -167,9 +159,6 @@ if decode_triton.HAS_TRITON:
         # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L.
         slot = (pos - L + 1 + jj) % L
         x = tl.load(tail_ptr + slot[:, None] * s_tl + d_in[None, :], mask=ok[:, None], other=0.0)
-        if FROM_TOKEN:
-            tok = tl.load(tok_ptr + d_in).to(tail_ptr.dtype.element_ty)
-            x = tl.where((jj == L - 1)[:, None], tok[None, :], x)
         pe = tl.load(pe_ptr + jj[:, None] * D_IN + d_in[None, :], mask=ok[:, None], other=0.0)
         return (x.to(dtype) + pe.to(dtype)).to(tl.float32)
 
@@ -197,17 +186,16 @@ if decode_triton.HAS_TRITON:
         tl.store(dst, out.to(dtype).to(cmp_ptr.dtype.element_ty))
 
     @triton.jit
-    def _phi_into(tail_ptr, s_tl, tok_ptr, cmp_ptr, s_ct, pos, T_max, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+    def _phi_into(tail_ptr, s_tl, cmp_ptr, s_ct, pos, T_max, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
                   L: tl.constexpr, STRIDE: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr,
-                  D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr,
-                  FROM_TOKEN: tl.constexpr):
+                  D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr):
         """phi of the block ending at pos into its entry of one (sequence, kv head)'s compressed
         cache, if pos completes a block: tail_ptr/cmp_ptr point at that head's ring and cache.
-        The chunks of TPC tokens are summed in order, as cache_step's programs that split them
-        are (_phi_split), so the two give the same bits."""
+        w1 is read in chunks of TPC tokens, each loaded in one go (one token at a time, the
+        kernel waited on one w1 tile after another)."""
         if _phi_fresh(pos, T_max, L, STRIDE):
             acc = tl.zeros([H1], dtype=tl.float32)
             for j0 in range(0, L, TPC):
                 acc += _phi_partial(_phi_w1(w1_ptr, j0, L, D_IN, H1, TPC),
-                                    _phi_x(tail_ptr, s_tl, tok_ptr, pos, pe_ptr, w1_ptr, j0, L, D_IN, TPC, FROM_TOKEN))
+                                    _phi_x(tail_ptr, s_tl, pos, pe_ptr, w1_ptr, j0, L, D_IN, TPC))
             _phi_finish(acc, cmp_ptr, s_ct, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D_OUT, HAS_B1, HAS_B2)
