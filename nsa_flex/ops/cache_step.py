@@ -5,9 +5,17 @@ window's where they are separate, and the cmp branch's un-rotated ones into the 
 and, one step in d, compresses the block that token completes (phi, as nsa_flex::phi_step).
 As separate ops that was an Inductor scatter kernel and one phi_step launch each for k and
 v; on an H200 at B=1 each launch costs ~1.7 us of a ~33 us step, mostly latency
-(bench/results/2026-11-22_h200_decode_v4.json). Here one Triton program per (sequence, kv
-head, keys or values) writes the token and, where a block completes, runs phi on the ring
-it has just written (a CTA barrier makes the new slot visible to the program's threads).
+(bench/results/2026-11-22_h200_decode_v4.json). Here one Triton launch writes the tokens and,
+where a block completes, runs phi as two matmuls over blocks of (sequence, kv head) rows, w1
+split by tokens over several programs (_phi_rows). The programs of a block of rows count
+themselves in NSACache.phi_count; the last finishes phi.
+
+phi in one program per head, going over w1 (1 MB at H1 = D = 128) one tile after another,
+took ~28 us where a block completed; the next kernels (the compressed pass waits for the new
+entry) waited for it, which cost the step ~2 us on average over 16 steps at 64k. Split over
+programs and read once per chunk for all rows, the cache update costs the step 0.5 us at
+B=8 (45.5 against 45.0 us for the attention alone) and 1.5 us at B=1 (16.9 against 15.4;
+bench/results/2026-11-25_h200_phi_split_s12.json).
 
 Off CUDA, without Triton, or with head/hidden widths that are not powers of two >= 16 (the
 phi kernel's tiles), the op runs its torch twin: the scatter writes (write_token_torch) and
@@ -270,11 +278,17 @@ if decode_triton.HAS_TRITON:
         back to 0 for the next block. Rounding as the module's (see phi_step): inputs and the
         hidden layer in w1's dtype, products summed in fp32.
 
-        Measured on the H200 at 64k, a call that completes a block / the step, at B=8 and B=1
-        (bench/results/2026-11-25_h200_phi_split_s12.json; the call's figures include a fill
-        kernel): one program per head going over the chunks in turn, 28 us (the kernel before
-        went over the 32 tokens in turn) / 48.2 and 18.6 us; 8 programs per head (w1's 1 MB read
-        by every head: 64 MB at B=8), 19 / 9 us, the step 46.6 / 16.9 us."""
+        Measured on the H200 at 64k: a call that completes a block (with a fill kernel before
+        it), and the step, at B=8 / B=1 (bench/results/2026-11-25_h200_phi_split_s12.json):
+
+        | phi                                             | call           | step                 |
+        |-------------------------------------------------|---------------:|---------------------:|
+        | a program per head, the chunks in turn (*)      | 28 / 28 us     | 48.2 / 18.6 us       |
+        | 8 programs per head, elementwise (**)           | 16-19 / 8-9    | 46.6-46.7 / 16.9-17.7 |
+        | 16 programs per sequence, its heads, elementwise | 18-23 / 13-17 | 46.7-47.2 / 17.0-17.3 |
+        | these matmuls, 16 programs per block of rows    | 11.2 / 8.8     | 45.5 / 16.9          |
+
+        (*) the kernel before went over the tokens in turn; (**) w1 read by every head, 64 MB at B=8."""
         dtype = w1_ptr.dtype.element_ty
         KC: tl.constexpr = TPC * D
         kk = tl.arange(0, KC)
