@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import statistics
 import sys
@@ -59,19 +58,13 @@ def parts(prob: _Problem) -> dict:
 
 @contextlib.contextmanager
 def _overridden(tiles: dict[str, int]):
-    """decode_triton.launch_config with tiles over its result, for the step's op to pick up; the
-    key LF (not a tile key) sets step_attend's launch_first instead."""
-    tiles = dict(tiles)
-    first = tiles.pop("LF", None)
-    step_module = importlib.import_module("nsa_flex.ops.step_attend")
-    original, original_first = decode_triton.launch_config, step_module.launch_first
+    """decode_triton.launch_config with tiles over its result, for the step's op to pick up."""
+    original = decode_triton.launch_config
     decode_triton.launch_config = lambda *args: {**original(*args), **tiles}
-    if first is not None:
-        step_module.launch_first = lambda rows: bool(first)
     try:
         yield
     finally:
-        decode_triton.launch_config, step_module.launch_first = original, original_first
+        decode_triton.launch_config = original
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ if decode_triton.HAS_TRITON:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from nsa_flex.ops.decode_triton import _pdl_launch_then_wait, _pdl_wait
+    from nsa_flex.ops.decode_triton import _pdl_wait
     from nsa_flex.ops.phi_step import _phi_fresh
 
 
@@ -111,7 +111,7 @@ def _cache_step_impl(
 
 def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp,
                    pos, phi_count, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block: int,
-                   cmp_stride: int, launch_first: bool = False) -> tuple[Tensor, ...]:
+                   cmp_stride: int) -> tuple[Tensor, ...]:
     """The op's body. Returns the tensors the Triton kernel reads (copies made for it included):
     a caller that launches more kernels right after it keeps them alive until those have
     launched, so that no allocation of theirs can take that memory while the kernel, which lets
@@ -125,7 +125,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
     if usable:
         return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos, phi_count,
                                   (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block,
-                                  cmp_stride, launch_first=launch_first)
+                                  cmp_stride)
     write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
     _phi_step_torch(k_tail, k_cmp, pos, pe_k, w1_k, b1_k, w2_k, b2_k, cmp_block, cmp_stride)
     _phi_step_torch(v_tail, v_cmp, pos, pe_v, w1_v, b1_v, w2_v, b2_v, cmp_block, cmp_stride)
@@ -159,12 +159,10 @@ def phi_dot_tokens(cmp_block: int, h1: int, d_in: int, elem_size: int) -> int:
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
                        v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
-                       phi_tokens: Optional[int] = None, rows: Optional[int] = None,
-                       launch_first: bool = False) -> tuple[Tensor, ...]:
+                       phi_tokens: Optional[int] = None, rows: Optional[int] = None) -> tuple[Tensor, ...]:
     """phi_tokens, rows: tokens and rows per phi program (tests; default phi_dot_tokens,
     phi_rows). Without phi_count the kernel counts in a zeroed tensor of its own (one more
-    launch). launch_first: the kernel lets the next one launch before it waits for the one
-    ahead (see decode_triton._pdl_launch_then_wait); the next must then wait before anything."""
+    launch)."""
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -193,8 +191,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         HKV=Hkv, L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], H1=H1,
         SEPARATE=separate, HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None,
-        HAS_B2V=b2_v is not None, RB=RB, TPC=tpc, CHUNKS=chunks, F32_DOT=k.device.type == "cpu",
-        LAUNCH_FIRST=launch_first, num_warps=8,
+        HAS_B2V=b2_v is not None, RB=RB, TPC=tpc, CHUNKS=chunks, F32_DOT=k.device.type == "cpu", num_warps=8,
         **decode_triton.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v, parts)
@@ -211,7 +208,7 @@ if decode_triton.HAS_TRITON:
         HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         H1K: tl.constexpr, H1V: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr,
         HAS_B2K: tl.constexpr, HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, RB: tl.constexpr, TPC: tl.constexpr,
-        CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, LAUNCH_FIRST: tl.constexpr, PDL: tl.constexpr,
+        CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (block of RB rows = sequence * kv head, chunk * 2 + side), side 0 the keys,
         side 1 the values: chunk 0 writes the rows' tokens; where a row's pos completes a block,
@@ -219,10 +216,7 @@ if decode_triton.HAS_TRITON:
         the last of them finishes phi for the block of rows (_phi_rows). With PDL it is
         launched before the kernel ahead of it ends and waits for it first (the tokens come from
         there), then lets decode_attend's first kernel launch."""
-        if LAUNCH_FIRST:
-            rb = tl.program_id(0) + _pdl_launch_then_wait(tl.program_id(0), PDL)
-        else:
-            rb = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        rb = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
         side = tl.program_id(1) % 2
         chunk = tl.program_id(1) // 2
         r = rb * RB + tl.arange(0, RB)

@@ -368,18 +368,6 @@ if HAS_TRITON:
         return z
 
     @triton.jit
-    def _pdl_launch_then_wait(after, PDL: tl.constexpr):
-        """_pdl_wait with its two steps the other way round: the next kernel may launch before this
-        one has waited for the kernel ahead, so it must wait before it reads or writes anything
-        (nsa_flex::step_attend's launch_first)."""
-        z = 0
-        if PDL:
-            z = tl.inline_asm_elementwise(
-                "griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;", "=r,r",
-                [after], dtype=tl.int32, is_pure=True, pack=1)
-        return z
-
-    @triton.jit
     def _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
                 DKP: tl.constexpr):
         g = tl.arange(0, ROWS)

@@ -25,14 +25,6 @@ from nsa_flex.ops.decode_attend import _geometry, _prepare, run_decode_attend
 from nsa_flex.ops.phi_step import phi_params
 
 
-def launch_first(rows: int) -> bool:
-    """Whether cache_step's kernel lets A launch before it waits (A then waits first) for B * Hkv
-    = rows, rather than A computing over the older compressed entries while that kernel runs:
-    on up to 16 rows, where A's grid is one wave. (Measured and dropped in session 11 while phi
-    still took ~28 us where a block completed, which A then waited for in full.)"""
-    return rows <= 16
-
-
 def step_attend(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...], pos: Tensor, phi_k: nn.Module,
                 phi_v: nn.Module, q: Tensor, gates: Tensor, config: NSAConfig, *,
                 scale: Optional[float] = None, phi_count: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -61,14 +53,13 @@ def _step_attend_impl(
     q: Tensor, gates: Tensor, scale: float, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, n_initial: int, n_local: int, window: int,
 ) -> tuple[Tensor, Tensor]:
-    first = launch_first(q.shape[0] * q.shape[1])
     # Held until the attention's kernels have launched: see run_cache_step.
     read_by_cache_step = run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail,
                                         v_tail, k_cmp, v_cmp, pos, phi_count, pe_k, w1_k, b1_k, w2_k, b2_k, pe_v, w1_v,
-                                        b1_v, w2_v, b2_v, cmp_block, cmp_stride, launch_first=first)
+                                        b1_v, w2_v, b2_v, cmp_block, cmp_stride)
     o, blocks = run_decode_attend(q, k, v, k if k_win is None else k_win, v if v_win is None else v_win, k_cmp, v_cmp,
                                   pos, gates, scale, cmp_block, cmp_stride, sel_block, n_selected, n_initial, n_local,
-                                  window, advance=True, after_cache_step=not first)
+                                  window, advance=True, after_cache_step=True)
     del read_by_cache_step
     return o, blocks
 
