@@ -58,7 +58,10 @@ dropped (commit 1604b86, ..._decode_step_launch_first_s11.json): cache_step's ke
 launch before its own wait, A then waiting first: the step 50.5 against 49.1 us at B=8 and
 20.7 against 19.9 at B=1, 64k. A's programs are then resident when cache_step's wait ends,
 but A no longer computes while cache_step's kernel runs. (A computing before its wait as well
-would need pos advanced before D, and A's stores all after its wait.) On the H200 at 64k
+would need pos advanced before D, and A's stores all after its wait.) Then a completed block's
+phi still took ~28 us, which A waited for in full; measured again after phi's split (commit
+cca86cc, ..._decode_step_launch_first_s12.json): 17.0-17.1 us either way at B=1, 47.4 against
+45.8 at B=8. On the H200 at 64k
 the op takes 17.4 us against 19.1 without PDL at B=1, and no less at B=8 (45-48 us either
 way); the compiled step 21.7 against 24.5 us at B=1 (..._decode_tiles_s10*.json,
 ..._decode_s10.json). Inductor drops launch_pdl when it launches a triton_op's kernels, so the
