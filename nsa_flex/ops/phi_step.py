@@ -139,63 +139,37 @@ if decode_triton.HAS_TRITON:
         return (done >= 0) & (done % STRIDE == 0) & (done // STRIDE < T_max)
 
     @triton.jit
-    def _phi_w1(w1_ptr, j0, L: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr, TPC: tl.constexpr):
-        """w1's columns of the block's tokens j0 .. j0+TPC-1, zero past L: [TPC, H1, D_in] in w1's
-        dtype, loaded in one go so that the chunk's weights are in flight together."""
-        jj = j0 + tl.arange(0, TPC)
-        rows = tl.arange(0, H1)
-        d_in = tl.arange(0, D_IN)
-        return tl.load(w1_ptr + rows[None, :, None] * (L * D_IN) + jj[:, None, None] * D_IN + d_in[None, None, :],
-                       mask=(jj < L)[:, None, None], other=0.0)
-
-    @triton.jit
-    def _phi_x(tail_ptr, s_tl, pos, pe_ptr, w1_ptr, j0, L: tl.constexpr, D_IN: tl.constexpr, TPC: tl.constexpr):
-        """phi's input rows of the block's tokens j0 .. j0+TPC-1 (block plus position encoding,
-        rounded to w1's dtype), zero past L: [TPC, D_in] fp32."""
-        dtype = w1_ptr.dtype.element_ty
-        jj = j0 + tl.arange(0, TPC)
-        ok = jj < L
-        d_in = tl.arange(0, D_IN)
-        # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L.
-        slot = (pos - L + 1 + jj) % L
-        x = tl.load(tail_ptr + slot[:, None] * s_tl + d_in[None, :], mask=ok[:, None], other=0.0)
-        pe = tl.load(pe_ptr + jj[:, None] * D_IN + d_in[None, :], mask=ok[:, None], other=0.0)
-        return (x.to(dtype) + pe.to(dtype)).to(tl.float32)
-
-    @triton.jit
-    def _phi_partial(w, x):
-        """The first layer's sums over one chunk: w [TPC, H1, D_in], x [TPC, D_in] -> [H1] fp32."""
-        return tl.sum(tl.sum(w.to(tl.float32) * x[:, None, :], axis=2), axis=0)
-
-    @triton.jit
-    def _phi_finish(acc, cmp_ptr, s_ct, pos, b1_ptr, w2_ptr, b2_ptr, L: tl.constexpr, STRIDE: tl.constexpr,
-                    H1: tl.constexpr, D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr):
-        """From the first layer's sums acc [H1] fp32: bias, GELU, the second layer, the entry stored."""
-        dtype = w2_ptr.dtype.element_ty
-        rows = tl.arange(0, H1)
-        if HAS_B1:
-            acc += tl.load(b1_ptr + rows).to(tl.float32)
-        hid = acc.to(dtype).to(tl.float32)
-        hid = (0.5 * hid * (1.0 + tl.math.erf(hid * 0.7071067811865476))).to(dtype).to(tl.float32)
-        outs = tl.arange(0, D_OUT)
-        w2 = tl.load(w2_ptr + outs[:, None] * H1 + rows[None, :]).to(tl.float32)
-        out = tl.sum(w2 * hid[None, :], axis=1)
-        if HAS_B2:
-            out += tl.load(b2_ptr + outs).to(tl.float32)
-        dst = cmp_ptr + ((pos + 1 - L) // STRIDE) * s_ct + outs
-        tl.store(dst, out.to(dtype).to(cmp_ptr.dtype.element_ty))
-
-    @triton.jit
     def _phi_into(tail_ptr, s_tl, cmp_ptr, s_ct, pos, T_max, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
                   L: tl.constexpr, STRIDE: tl.constexpr, D_IN: tl.constexpr, H1: tl.constexpr,
                   D_OUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, TPC: tl.constexpr):
         """phi of the block ending at pos into its entry of one (sequence, kv head)'s compressed
         cache, if pos completes a block: tail_ptr/cmp_ptr point at that head's ring and cache.
-        w1 is read in chunks of TPC tokens, each loaded in one go (one token at a time, the
-        kernel waited on one w1 tile after another)."""
+        w1 is read in chunks of TPC tokens, each a [TPC, H1, D_in] tile loaded in one go: one
+        token at a time, the kernel waited on one w1 tile after another."""
         if _phi_fresh(pos, T_max, L, STRIDE):
+            dtype = w1_ptr.dtype.element_ty
+            rows = tl.arange(0, H1)
+            d_in = tl.arange(0, D_IN)
             acc = tl.zeros([H1], dtype=tl.float32)
             for j0 in range(0, L, TPC):
-                acc += _phi_partial(_phi_w1(w1_ptr, j0, L, D_IN, H1, TPC),
-                                    _phi_x(tail_ptr, s_tl, pos, pe_ptr, w1_ptr, j0, L, D_IN, TPC))
-            _phi_finish(acc, cmp_ptr, s_ct, pos, b1_ptr, w2_ptr, b2_ptr, L, STRIDE, H1, D_OUT, HAS_B1, HAS_B2)
+                jj = j0 + tl.arange(0, TPC)
+                ok = jj < L
+                # Token pos - L + 1 + j sits at ring slot (pos - L + 1 + j) % L.
+                slot = (pos - L + 1 + jj) % L
+                x = tl.load(tail_ptr + slot[:, None] * s_tl + d_in[None, :], mask=ok[:, None], other=0.0)
+                pe = tl.load(pe_ptr + jj[:, None] * D_IN + d_in[None, :], mask=ok[:, None], other=0.0)
+                x = (x.to(dtype) + pe.to(dtype)).to(tl.float32)
+                w = tl.load(w1_ptr + rows[None, :, None] * (L * D_IN) + jj[:, None, None] * D_IN + d_in[None, None, :],
+                            mask=ok[:, None, None], other=0.0).to(tl.float32)
+                acc += tl.sum(tl.sum(w * x[:, None, :], axis=2), axis=0)
+            if HAS_B1:
+                acc += tl.load(b1_ptr + rows).to(tl.float32)
+            hid = acc.to(dtype).to(tl.float32)
+            hid = (0.5 * hid * (1.0 + tl.math.erf(hid * 0.7071067811865476))).to(dtype).to(tl.float32)
+            outs = tl.arange(0, D_OUT)
+            w2 = tl.load(w2_ptr + outs[:, None] * H1 + rows[None, :]).to(tl.float32)
+            out = tl.sum(w2 * hid[None, :], axis=1)
+            if HAS_B2:
+                out += tl.load(b2_ptr + outs).to(tl.float32)
+            dst = cmp_ptr + ((pos + 1 - L) // STRIDE) * s_ct + outs
+            tl.store(dst, out.to(dtype).to(cmp_ptr.dtype.element_ty))
