@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.library import custom_op
 
 from nsa_flex.ops import decode_triton
-from nsa_flex.ops.phi_step import _DTYPES, _phi_step_torch, phi_params
+from nsa_flex.ops.phi_step import _DTYPES, _phi_step_torch, phi_chunk_tokens, phi_params
 
 if decode_triton.HAS_TRITON:
     import triton
@@ -48,11 +48,12 @@ def cache_step(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...],
     tokens: (k, v, k_win, v_win, k_cmp, v_cmp), each [B, Hkv, D] (k_win/v_win None without
     separate window projections; k_cmp/v_cmp are phi's un-rotated inputs); caches: (k, v, k_win,
     v_win, k_tail, v_tail, k_cmp, v_cmp) of an NSACache (k_win/v_win None likewise), updated in
-    place; phi_k, phi_v: the layer's Compressors. phi_count: the NSACache's (see check_phi_count):
-    with it the kernel splits a completed block's phi over several programs per head.
+    place; phi_k, phi_v: the layer's Compressors. phi_count: the NSACache's (see check_phi_count),
+    where the programs sharing a completed block's phi count themselves; without it the kernel
+    counts in a zeroed tensor of its own (one more launch).
     """
     check_tokens(tokens, caches)
-    check_phi_count(phi_count, pos, caches[0])
+    check_phi_count(phi_count, caches[0])
     k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok = tokens
     k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp = caches
     torch.ops.nsa_flex.cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail,
@@ -66,7 +67,7 @@ def check_tokens(tokens: tuple[Optional[Tensor], ...], caches: tuple[Optional[Te
         raise ValueError("window tokens and window caches must both be given (separate K/V) or both be None")
 
 
-def check_phi_count(phi_count: Optional[Tensor], pos: Tensor, k: Tensor) -> None:
+def check_phi_count(phi_count: Optional[Tensor], k: Tensor) -> None:
     """phi_count: None, or int32 [B, Hkv, 2] on the cache's device, as NSACache allocates it.
 
     The kernel's programs of a (sequence, kv head, keys or values) count themselves in there, and
@@ -147,21 +148,14 @@ def _cache_step_fake(*args) -> None:
 
 def phi_rows(rows: int) -> int:
     """Rows (sequence x kv head) per program of phi's matmuls: a power of two, 16 to 64."""
-    return min(64, max(16, 1 << max(0, rows - 1).bit_length()))
-
-
-def phi_dot_tokens(cmp_block: int, h1: int, d_in: int, elem_size: int) -> int:
-    """Tokens of the block per program of phi's first layer (a power of two): its [TPC * D_in,
-    H1] slice of w1 at most 64 KB (2 tokens at H1 = D_in = 128 in bf16), so that the programs
-    share w1's bytes about evenly and the slice fits in shared memory."""
-    return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 16) // (h1 * d_in * elem_size)))
+    return min(64, max(16, decode_triton._next_pow2(rows)))
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
                        v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
                        phi_tokens: Optional[int] = None, rows: Optional[int] = None) -> tuple[Tensor, ...]:
-    """phi_tokens, rows: tokens and rows per phi program (tests; default phi_dot_tokens,
-    phi_rows). Without phi_count the kernel counts in a zeroed tensor of its own (one more
+    """phi_tokens, rows: tokens and rows per phi program (tests; by default w1's slice is at
+    most 64 KB, 2 tokens at H1 = D = 128 in bf16, so that it fits in shared memory; phi_rows). Without phi_count the kernel counts in a zeroed tensor of its own (one more
     launch)."""
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
@@ -175,7 +169,8 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         (pe.contiguous(), w1.contiguous(), b1, w2.contiguous(), b2) for pe, w1, b1, w2, b2 in (phi_k, phi_v))
     H1 = max(w1_k.shape[0], w1_v.shape[0])
     RB = rows or phi_rows(B * Hkv)
-    tpc = phi_tokens or phi_dot_tokens(cmp_block, H1, max(Dk, Dv), max(w1_k.element_size(), w1_v.element_size()))
+    tpc = phi_tokens or phi_chunk_tokens(cmp_block, H1, max(Dk, Dv),
+                                         (1 << 16) // max(w1_k.element_size(), w1_v.element_size()))
     chunks = -(-cmp_block // tpc)
     nrb = -(-B * Hkv // RB)
     if phi_count is None:

@@ -92,11 +92,11 @@ def _phi_step_torch(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp
     cmp[b, :, entry_b] = torch.where(write_b[:, None, None], new_bhd, cmp[b, :, entry_b])
 
 
-def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int) -> int:
-    """Tokens of the block whose first-layer products a program takes at once (a power of two):
-    a [TPC, H1, D_in] tile of w1 of at most 2^16 elements, loaded in one go so that the chunk's
-    weights are in flight together (4 tokens at H1 = D_in = 128)."""
-    return min(1 << max(0, cmp_block - 1).bit_length(), max(1, (1 << 16) // (h1 * d_in)))
+def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int, elements: int = 1 << 16) -> int:
+    """Tokens of the block whose first-layer products a program takes at once (a power of two,
+    at least 1): a [TPC, H1, D_in] slice of w1 of at most `elements`, loaded in one go so that
+    the chunk's weights are in flight together (4 tokens at H1 = D_in = 128 by default)."""
+    return min(decode_triton._next_pow2(cmp_block), max(1, elements // (h1 * d_in)))
 
 
 def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int, *,

@@ -37,7 +37,7 @@ def step_attend(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...]
     window pair None without separate window projections); q and gates as decode_attend's;
     phi_count as cache_step's."""
     check_tokens(tokens, caches)
-    check_phi_count(phi_count, pos, caches[0])
+    check_phi_count(phi_count, caches[0])
     k, v, k_win, v_win, _, _, k_cmp, v_cmp = caches
     q, gates, scale = _prepare(q, k, v, k if k_win is None else k_win, v if v_win is None else v_win, k_cmp, v_cmp,
                                pos, gates, config, scale)
