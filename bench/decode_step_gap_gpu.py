@@ -28,6 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_tiles_gpu import parse_tiles  # noqa: E402
 
 
+_COMPILED = {}
+
+
+def compiled(prob: _Problem):
+    """The step under torch.compile (compiled on first use only: it takes a while)."""
+    if id(prob) not in _COMPILED:
+        _COMPILED[id(prob)] = torch.compile(prob.nsa_step, fullgraph=True)
+    return _COMPILED[id(prob)]()
+
+
 def parts(prob: _Problem) -> dict:
     cache, pr, gates = prob.cache, prob.pr, prob.gates
     cfg = cache.config
@@ -51,7 +61,7 @@ def parts(prob: _Problem) -> dict:
         cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
                    phi_count=cache.phi_count)
 
-    return {"step-eager": prob.nsa_step, "step-compiled": torch.compile(prob.nsa_step, fullgraph=True),
+    return {"step-eager": prob.nsa_step, "step-compiled": lambda: compiled(prob),
             "op-eager": op_only, "cache_step-eager": cache_only,
             "cache_step-fresh": cache_fresh}
 
@@ -74,6 +84,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=[],
                    help="also time the step (eager, from a graph) with these launch_config overrides, "
                         "KEY=INT[,KEY=INT...]; a variant may repeat")
+    p.add_argument("--parts", nargs="*", default=None,
+                   help="time only these parts (step-eager, step-compiled, op-eager, cache_step-eager, "
+                        "cache_step-fresh); all by default, none with an empty list")
     args = p.parse_args()
     rows = []
     for case in args.cases:
@@ -81,6 +94,8 @@ def main() -> None:
         cfg = decode_config(device="cuda", contexts=(T,), batches=(B,))
         prob = _Problem(cfg, B, T)
         for name, fn in parts(prob).items():
+            if args.parts is not None and name not in args.parts:
+                continue
             fn()
             torch.cuda.synchronize()
             times = graph_step_times(fn, prob.reset, steps=10, reps=7, replays=10)

@@ -35,8 +35,35 @@ def _step(x_ptr, y_ptr, n, PDL: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, x + 1, mask=offs < n)
 
 
-def chain(bufs: list[torch.Tensor], programs: int, block: int, pdl: bool) -> None:
+@triton.jit
+def _step_flag(x_ptr, y_ptr, cnt_ptr, n, expect, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """A chain link that hands over by a counter instead of the grid's end: it lets the next kernel
+    launch at once, then spins (acquiring atomic) until all `expect` programs of the kernel ahead
+    have counted themselves in. A dependent grid starts only once every program of the grid ahead
+    has started (or ended), so the programs it waits for are resident: the spin cannot hang."""
+    tl.extra.cuda.gdc_launch_dependents()
+    if FIRST:
+        tl.extra.cuda.gdc_wait()
+    else:
+        c = tl.atomic_add(cnt_ptr - 1, 0, sem="acquire", scope="gpu")
+        while c < expect:
+            c = tl.atomic_add(cnt_ptr - 1, 0, sem="acquire", scope="gpu")
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, cache_modifier=".cg")
+    tl.store(y_ptr + offs, x + 1, mask=offs < n)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+
+
+def chain(bufs: list[torch.Tensor], programs: int, block: int, pdl: bool, counts: torch.Tensor | None = None) -> None:
     n = bufs[0].numel()
+    if counts is not None:
+        # Each replay starts from zero counts (a memset node ahead of the chain; the slope over K cancels it).
+        counts.zero_()
+        for i, (src, dst) in enumerate(zip(bufs[:-1], bufs[1:])):
+            _step_flag[(programs,)](src, dst, counts[i + 1:], n, programs, FIRST=i == 0, BLOCK=block,
+                                    launch_pdl=True, num_warps=4)
+        return
     for src, dst in zip(bufs[:-1], bufs[1:]):
         _step[(programs,)](src, dst, n, PDL=pdl, BLOCK=block, launch_pdl=pdl, num_warps=4)
 
@@ -69,22 +96,22 @@ def main() -> None:
     rows = []
     started = time.perf_counter()
     for kernels in (5, 10):
-        for programs in (64, 512):
+        for programs in (64, 256, 512):
             block = 1024
             bufs = [torch.zeros(programs * block, device="cuda") for _ in range(kernels + 1)]
             row = {"kernels": kernels, "programs": programs}
-            for pdl in (False, True):
-                key = "pdl" if pdl else "plain"
+            counts = torch.zeros(kernels + 1, dtype=torch.int32, device="cuda")
+            for key, pdl, cnt in (("plain", False, None), ("pdl", True, None), ("flags", True, counts)):
                 try:
                     bufs[0].fill_(1.0)
-                    chain(bufs, programs, block, pdl)
+                    chain(bufs, programs, block, pdl, cnt)
                     torch.cuda.synchronize()
                     ok = bool((bufs[-1] == 1.0 + kernels).all())
-                    us = time_graph(lambda: chain(bufs, programs, block, pdl))
+                    us = time_graph(lambda: chain(bufs, programs, block, pdl, cnt))
                     bufs[0].fill_(1.0)
                     g_ok = None
                     # After the graph replays, the chain must still hold.
-                    chain(bufs, programs, block, pdl)
+                    chain(bufs, programs, block, pdl, cnt)
                     torch.cuda.synchronize()
                     g_ok = bool((bufs[-1] == 1.0 + kernels).all())
                     row[key] = {"us": us, "us_per_kernel": us / kernels, "correct": ok and g_ok}

@@ -1,0 +1,141 @@
+"""Registers, spills and shared memory of one decode step's Triton kernels, compiled for sm_90a
+on a machine without a GPU (Triton ships ptxas): no device time spent to learn whether a
+kernel change compiles, or what it does to the occupancy that decides kernel A at B=8.
+
+    python3 bench/kernel_regs.py --cases 1:65536 8:65536 [--tiles ST=0] [--trace]
+
+The step is nsa_flex::step_attend's: cache_step's kernel, then A, B, S and D of decode_triton,
+launched as on an H100/H200 (PDL on, bf16 tensor-core dots; the inputs live on the CPU only so
+that their shapes, strides and alignments are real). Each launch is compiled instead of run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+KERNELS = {"_cache_step_kernel": "cache_step", "_cmp_win_kernel": "A", "_importance_kernel": "B",
+           "_sel_win_kernel": "S", "_combine_kernel": "D"}
+
+
+def _ptxas_report(ptx: str, arch: str, maxnreg: int | None) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.cubin")]
+        if maxnreg:
+            cmd.append(f"--maxrregcount={maxnreg}")
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    get = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0  # noqa: E731
+    return {"registers": get(r"Used (\d+) registers"), "spill_stores": get(r"(\d+) bytes spill stores"),
+            "spill_loads": get(r"(\d+) bytes spill loads"), "stack": get(r"(\d+) bytes stack frame")}
+
+
+class _Compiler:
+    """Stands in for torch.library.wrap_triton: kernel[grid](*args, **kwargs) compiles for the
+    target and records the kernel's resources, as a GPU launch would have set them."""
+
+    def __init__(self, arch: int = 90):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.target = GPUTarget("cuda", arch, 32)
+        self.backend = make_backend(self.target)
+        self.rows: list[dict] = []
+
+    def __call__(self, fn):
+        outer = self
+
+        class _Launch:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: outer.compile(fn, grid, args, kwargs)
+
+        return _Launch()
+
+    def compile(self, fn, grid, args, kwargs):
+        from triton.compiler import ASTSource, compile
+        from triton.runtime.jit import create_function_from_signature
+
+        # As on the GPU: tensor-core dots (the CPU path asks the interpreter's fp32 dots) and PDL.
+        if "F32_DOT" in kwargs:
+            kwargs["F32_DOT"] = False
+        if "PDL" in kwargs:
+            kwargs["PDL"], kwargs["launch_pdl"] = True, True
+        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
+        bound, spec, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, spec, options)
+        kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=self.target, options=options.__dict__)
+        row = {"kernel": KERNELS.get(fn.__name__, fn.__name__), "grid": list(grid),
+               "num_warps": options.num_warps, "shared_bytes": kernel.metadata.shared,
+               **_ptxas_report(kernel.asm["ptx"], f"sm_{self.target.arch}a", kwargs.get("maxnreg"))}
+        self.rows.append(row)
+
+
+def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: bool = False) -> list[dict]:
+    from nsa_flex.bench.decode import random_step_inputs
+    from nsa_flex.config import PRESETS
+    from nsa_flex.decode import _step_tensors
+    cs = importlib.import_module("nsa_flex.ops.cache_step")
+    dt = importlib.import_module("nsa_flex.ops.decode_triton")
+    from nsa_flex.ops.decode_attend import _prepare
+    from nsa_flex.ops.phi_step import phi_params
+
+    n = PRESETS["bench"]
+    cache, pr, gates, phi_k, phi_v = random_step_inputs(n, B, T + 64, torch.bfloat16, "cpu")
+    cache.lengths.fill_(T)
+    tokens, caches = _step_tensors(cache, pr)
+    k, v, k_win, v_win, _, _, k_cmp, v_cmp = caches
+    k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
+    G = n.group_size
+    q, g, scale = _prepare(pr.q.reshape(B, n.n_kv_heads, G, n.head_dim), k, v, k_win, v_win, k_cmp, v_cmp,
+                           cache.lengths, gates.reshape(B, n.n_kv_heads, G, 3), n, None)
+    comp = _Compiler()
+    saved = dt.wrap_triton, cs.wrap_triton
+    dt.wrap_triton = cs.wrap_triton = comp
+    try:
+        traces = {}
+        if trace:
+            traces = dict(trace=torch.zeros(4, 4096, 5, dtype=torch.int64))
+        cs._cache_step_triton(*tokens, *caches, cache.lengths, cache.phi_count, phi_params(phi_k),
+                              phi_params(phi_v), n.cmp_block, n.cmp_stride,
+                              **({"trace": torch.zeros(4096, 5, dtype=torch.int64)} if trace else {}))
+        dt.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, cache.lengths, g, scale, n, tiles,
+                                advance=True, after_cache_step=True, **traces)
+    finally:
+        dt.wrap_triton, cs.wrap_triton = saved
+    return comp.rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["1:65536", "8:65536"], help="B:T pairs")
+    p.add_argument("--tiles", nargs="*", default=[], help="launch_config overrides, KEY=INT")
+    p.add_argument("--trace", action="store_true", help="compile the timeline-stamping variants (TRACE)")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    args = p.parse_args()
+    tiles = {k: int(v) for k, v in (t.split("=") for t in args.tiles)}
+    out = []
+    for case in args.cases:
+        B, T = (int(x) for x in case.split(":"))
+        for row in step_resources(B, T, tiles, args.trace):
+            row = {"B": B, "T": T, **row}
+            out.append(row)
+            print(f"B={B} T={T} {row['kernel']:>10} grid={row['grid']} warps={row['num_warps']} "
+                  f"regs={row['registers']} spills={row['spill_stores']}/{row['spill_loads']} "
+                  f"stack={row['stack']} smem={row['shared_bytes']}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
