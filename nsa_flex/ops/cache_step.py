@@ -37,7 +37,7 @@ if decode_triton.HAS_TRITON:
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from nsa_flex.ops.decode_triton import _pdl_wait
+    from nsa_flex.ops.decode_triton import _now, _pdl_wait, _trace
     from nsa_flex.ops.phi_step import _phi_fresh
 
 
@@ -153,10 +153,12 @@ def phi_rows(rows: int) -> int:
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
                        v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
-                       phi_tokens: Optional[int] = None, rows: Optional[int] = None) -> tuple[Tensor, ...]:
+                       phi_tokens: Optional[int] = None, rows: Optional[int] = None,
+                       trace: Optional[Tensor] = None) -> tuple[Tensor, ...]:
     """phi_tokens, rows: tokens and rows per phi program (tests; by default w1's slice is at
     most 64 KB, 2 tokens at H1 = D = 128 in bf16, so that it fits in shared memory; phi_rows). Without phi_count the kernel counts in a zeroed tensor of its own (one more
-    launch)."""
+    launch). trace: an int64 [programs, 5] tensor for the programs' timeline (decode_triton._trace;
+    bench/decode_timeline_gpu.py)."""
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
     separate = k_win is not None
@@ -177,6 +179,10 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         phi_count = torch.zeros((B, Hkv, 2), dtype=torch.int32, device=k.device)
     # The chunks' first-layer sums, per side and block of rows.
     parts = torch.empty((2, nrb, chunks, RB, H1), dtype=torch.float32, device=k.device)
+    if trace is not None and (trace.dtype != torch.int64 or trace.dim() != 2 or trace.shape[0] < nrb * 2 * chunks
+                              or trace.shape[1] != 5 or not trace.is_contiguous()):
+        raise ValueError(f"trace must be a contiguous int64 tensor [>= {nrb * 2 * chunks}, 5]; "
+                         f"got {trace.dtype} {list(trace.shape)}")
     wrap_triton(_cache_step_kernel)[(nrb, 2 * chunks)](
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
         phi_count, parts,
@@ -186,7 +192,8 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         *(s for x in (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok) for s in x.stride()[:2]),
         HKV=Hkv, L=cmp_block, STRIDE=cmp_stride, DK=Dk, DV=Dv, H1K=w1_k.shape[0], H1V=w1_v.shape[0], H1=H1,
         SEPARATE=separate, HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None,
-        HAS_B2V=b2_v is not None, RB=RB, TPC=tpc, CHUNKS=chunks, F32_DOT=k.device.type == "cpu", num_warps=8,
+        HAS_B2V=b2_v is not None, RB=RB, TPC=tpc, CHUNKS=chunks, F32_DOT=k.device.type == "cpu",
+        trace_ptr=pos if trace is None else trace, TRACE=trace is not None, num_warps=8,
         **decode_triton.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v, parts)
@@ -203,7 +210,7 @@ if decode_triton.HAS_TRITON:
         HKV: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         H1K: tl.constexpr, H1V: tl.constexpr, H1: tl.constexpr, SEPARATE: tl.constexpr, HAS_B1K: tl.constexpr,
         HAS_B2K: tl.constexpr, HAS_B1V: tl.constexpr, HAS_B2V: tl.constexpr, RB: tl.constexpr, TPC: tl.constexpr,
-        CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+        CHUNKS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ):
         """Program (block of RB rows = sequence * kv head, chunk * 2 + side), side 0 the keys,
         side 1 the values: chunk 0 writes the rows' tokens; where a row's pos completes a block,
@@ -211,7 +218,9 @@ if decode_triton.HAS_TRITON:
         the last of them finishes phi for the block of rows (_phi_rows). With PDL it is
         launched before the kernel ahead of it ends and waits for it first (the tokens come from
         there), then lets decode_attend's first kernel launch."""
+        t_entry = _now(tl.program_id(0)) if TRACE else 0
         rb = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
+        t_rel = _now(rb) if TRACE else 0
         side = tl.program_id(1) % 2
         chunk = tl.program_id(1) // 2
         r = rb * RB + tl.arange(0, RB)
@@ -233,6 +242,7 @@ if decode_triton.HAS_TRITON:
                             vct_ptr + b * svct_b + h * svct_h, v_ptr, vw_ptr, vtail_ptr, vc_ptr, r, ok, pos, T, Tc,
                             pe_v, w1_v, b1_v, w2_v, b2_v, count, parts, chunk, L, STRIDE, DV, H1V, SEPARATE,
                             HAS_B1V, HAS_B2V, RB, TPC, CHUNKS, F32_DOT)
+        _trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
 
     @triton.jit
     def _write_compress(tok_ptrs, wtok_ptrs, ctok_ptrs, cache_ptr, win_ptr, tail_ptr, cmp_ptr, r, ok, pos, T, Tc,

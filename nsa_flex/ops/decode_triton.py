@@ -127,7 +127,7 @@ partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), t
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
-             "FS", "TMA", "ST", "SREG")
+             "FS", "TMA", "ST", "SREG", "SB", "TIS")
 
 
 def _next_pow2(x: int) -> int:
@@ -190,21 +190,29 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     WCH = BN * _cdiv(config.sel_block, BN)
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
+    # SB: each of S's programs ranks the blocks itself, B not launched (see below).
+    sb = B * Hkv <= 4
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
-            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
+            "IW": 4, "SW": 8 if sb else 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
             "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4),
-            "TMA": int(B * Hkv > 16), "ST": 1, "SREG": 128 if B * Hkv > 16 else 0}
+            "TMA": int(B * Hkv > 16), "ST": 1, "SREG": 128 if B * Hkv > 16 else 0,
+            "SB": int(sb), "TIS": 0}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
                          tiles: dict[str, int] | None = None, *, advance: bool = False,
-                         after_cache_step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         after_cache_step: bool = False,
+                         trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
     advance: D adds 1 to pos in place once nothing reads it any more (a decode step's
     lengths update without a launch of its own). after_cache_step: the launches just before
     wrote only the token at pos and the compressed entry it completes (nsa_flex::step_attend,
     whose cache update runs first): A's compressed programs read q, pos and the older entries
     before they wait (see _pdl_wait).
+
+    trace: an int64 tensor [4, programs, 5] (a diagnostic, bench/decode_timeline_gpu.py): each
+    program of A, B, S and D stores its timeline there (see _trace), the kernels in that order,
+    at least as many rows as the largest grid (launch_grids).
 
     tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
     Triton interpreter (tests): there tl.dot runs in fp32, since the interpreter's dot misreads
@@ -227,12 +235,14 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
-    for key in ("PDL", "WS", "FS", "TMA", "ST"):
+    for key in ("PDL", "WS", "FS", "TMA", "ST", "SB"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
     for key in ("maxnreg", "SREG"):
         if cfg.get(key) and not 24 <= cfg[key] <= 255:
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 (no cap) or 24..255 registers")
+    if cfg["TIS"] < 0 or cfg["TIS"] & (cfg["TIS"] - 1):
+        raise ValueError(f"decode tile TIS={cfg['TIS']} must be 0 (by S's warps) or a power of two")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
@@ -286,36 +296,73 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
            and max(BC, DKP, DVP) <= 256 and all(_tma_ok(x) for x in (k_cmp, v_cmp)))
     kc_desc, vc_desc = ((TensorDescriptor.from_tensor(x, [1, 1, BC, p]) for x, p in ((k_cmp, DKP), (v_cmp, DVP)))
                         if tma else (k_cmp, v_cmp))
-    wrap_triton(_cmp_win_kernel)[(BH, SPLITS + (0 if ws else NW))](
+    grids = launch_grids(B, Hkv, T, Tc, config, cfg, G)
+    if trace is not None and (trace.dtype != torch.int64 or trace.shape[0] != 4 or trace.shape[2] != 5
+                              or trace.shape[1] < max(a * b for a, b in grids) or not trace.is_contiguous()):
+        raise ValueError(f"trace must be a contiguous int64 tensor [4, >= {max(a * b for a, b in grids)}, 5]; "
+                         f"got {trace.dtype} {list(trace.shape)}")
+    traced = [dict(trace_ptr=pos if trace is None else trace[i], TRACE=trace is not None) for i in range(4)]
+    wrap_triton(_cmp_win_kernel)[grids[0]](
         q, k_cmp, v_cmp, kc_desc, vc_desc, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, BC=BC, BCL=BCL, JS=JS, FW=max(16, _next_pow2(JT if fs else JS)), FWU=JT if fs else JS,
         SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
-        WS=ws, PREFETCH=after_cache_step, TMA=tma, **launch,
+        WS=ws, PREFETCH=after_cache_step, TMA=tma, **traced[0], **launch,
     )
-    st = bool(cfg["ST"])
-    wrap_triton(_importance_kernel)[(BH, NPROG)](
-        fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
-        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
-        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
-        NPROGP=_next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **pdl_args,
-    )
-    wrap_triton(_sel_win_kernel)[(BH, N + (NW if ws else 0))](
-        q, k, v, k_win, v_win, pos, blocks, cand, m_c, l_c, acc_c, Hkv, T, w, scale, NS, NPROG,
+    st, sb = bool(cfg["ST"]), bool(cfg["SB"])
+    GP, JTP = _next_pow2(G), _next_pow2(JT)
+    if not sb:
+        wrap_triton(_importance_kernel)[grids[1]](
+            fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
+            G=G, GP=GP, ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
+            JTP=JTP, JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+            SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
+            NPROGP=_next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **traced[1], **pdl_args,
+        )
+    wrap_triton(_sel_win_kernel)[grids[2]](
+        q, k, v, k_win, v_win, pos, blocks, cand, m_c, l_c, acc_c, fold, m_tile, m_a, l_a, Hkv, T, Tc, NT, w, scale,
+        NS, NPROG,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, ST=st, NP=NP,
-        NPROGP=_next_pow2(NPROG), num_warps=cfg["SW"], num_stages=cfg["num_stages"], **pdl_args,
-        **({"maxnreg": cfg["SREG"]} if cfg.get("SREG") else {}),
+        NPROGP=_next_pow2(NPROG), SB=sb, TIS=sel_tiles(cfg, G, JT, NTI, NP), GP=GP, JT=JT, JTP=JTP, JS=JS, BCL=BCL,
+        SPLITS=SPLITS, SPP=_next_pow2(SPLITS), CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+        N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=cfg["SW"], num_stages=cfg["num_stages"],
+        **traced[2], **pdl_args, **({"maxnreg": cfg["SREG"]} if cfg.get("SREG") else {}),
     )
-    wrap_triton(_combine_kernel)[(BH, G)](
+    wrap_triton(_combine_kernel)[grids[3]](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
         ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
-        NPP=_next_pow2(N + NW), num_warps=cfg["DW"], **pdl_args,
+        NPP=_next_pow2(N + NW), num_warps=cfg["DW"], **traced[3], **pdl_args,
     )
     return o, blocks
+
+
+def launch_grids(B: int, Hkv: int, T: int, Tc: int, config: NSAConfig, cfg: dict[str, int],
+                G: int | None = None) -> list[tuple[int, int]]:
+    """The grids of A, B, S and D for tiles cfg (launch_config's result with any overrides)."""
+    R = config.sel_block // config.cmp_stride
+    JT = cfg["BC"] // R
+    NW = _cdiv(min(config.window, T), cfg["WCH"])
+    NP = _next_pow2(config.n_selected)
+    TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
+    NPROG = _cdiv(_cdiv(num_sel_blocks(T, config), JT), TI)
+    BH, ws = B * Hkv, bool(cfg["WS"])
+    # With SB, B is not launched: (BH, 0).
+    return [(BH, cfg["SPLITS"] + (0 if ws else NW)), (BH, 0 if cfg["SB"] else NPROG),
+            (BH, config.n_selected + (NW if ws else 0)), (BH, G if G is not None else config.group_size)]
+
+
+def sel_tiles(cfg: dict[str, int], G: int, JT: int, NTI: int, NP: int) -> int:
+    """SB: tiles of blocks per step of S's selection loop (TIS, or by S's warps): the step holds
+    [G', TIS, JT'] folded probabilities, at most ~64 values a thread, and no more tiles than
+    the cache has (NTI); raised to hold at least NP blocks, as B's TI."""
+    tis = cfg["TIS"]
+    if not tis:
+        fits = max(1, 64 * 32 * cfg["SW"] // (_next_pow2(G) * _next_pow2(JT)))
+        tis = min(1 << (fits.bit_length() - 1), _next_pow2(NTI))
+    return max(tis, _cdiv(NP, _next_pow2(JT)))
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
@@ -369,6 +416,31 @@ if HAS_TRITON:
                 "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                 [after], dtype=tl.int32, is_pure=True, pack=1)
         return z
+
+    @triton.jit
+    def _now(after):
+        """The GPU's global timer (ns), read once `after` (an int32 scalar) is known: a timeline
+        stamp (TRACE)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _trace(trace_ptr, t_entry, t_released, t_mid, TRACE: tl.constexpr):
+        """Stores a program's timeline (TRACE): entry, the end of its wait for the kernel ahead,
+        a point of the kernel's choosing after that (t_mid), its end (after a barrier, so after
+        its last store issued) and its SM, at trace_ptr[program, :5] (programs numbered
+        row-major over the grid)."""
+        if TRACE:
+            tl.debug_barrier()
+            slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * 5
+            t_end = _now(tl.program_id(1))
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                           is_pure=False, pack=1)
+            tl.store(trace_ptr + slot, t_entry)
+            tl.store(trace_ptr + slot + 1, t_released)
+            tl.store(trace_ptr + slot + 2, t_mid)
+            tl.store(trace_ptr + slot + 3, t_end)
+            tl.store(trace_ptr + slot + 4, sm.to(tl.int64))
 
     @triton.jit
     def _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
@@ -453,18 +525,24 @@ if HAS_TRITON:
         JS: tl.constexpr, FW: tl.constexpr, FWU: tl.constexpr, SPLITS: tl.constexpr, CMP_BLOCK: tl.constexpr,
         CMP_STRIDE: tl.constexpr, R: tl.constexpr, M_CMP: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        TMA: tl.constexpr,
+        TMA: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         part = tl.program_id(1)
+        t_entry = _now(pid) if TRACE else 0
+        t_rel = t_entry
         # Everything A reads may come from the kernel just before it, so it waits first; but after
         # the op's own cache update (PREFETCH) only the newest compressed entry and the token at
         # pos can, and the compressed programs wait only where they need them (below).
         z = tl.zeros([], tl.int32)
         if not PREFETCH:
             z = _pdl_wait(pid, PDL)
+            if TRACE:
+                t_rel = _now(z)
         elif part >= SPLITS:
             z = _pdl_wait(pid, PDL)
+            if TRACE:
+                t_rel = _now(z)
         bh = pid + z
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
@@ -495,6 +573,8 @@ if HAS_TRITON:
                 # after it (the wait's 0 goes into the loop's start, or the partial's index).
                 if fresh == 1:
                     t_lo += _pdl_wait(pid, PDL)
+                    if TRACE:
+                        t_rel = _now(t_lo)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
             v_base = vc_ptr + b * sv_b + h * sv_h
@@ -528,6 +608,8 @@ if HAS_TRITON:
                 if fresh == 0:
                     # (pid + 1: an input of its own, so that the two waits stay apart.)
                     idx += _pdl_wait(pid + 1, PDL)
+                    if TRACE:
+                        t_rel = _now(idx)
             _store_partial(m_a, l_a, acc_a, idx, m, l, acc, ROWS, DVP)
             if WS and part == 0:
                 # Kernels run in order, so B starts with every counter at zero. (Not at the
@@ -540,6 +622,7 @@ if HAS_TRITON:
             _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - SPLITS, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
                           WCH, BN)
+        _trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
 
     @triton.jit
     def _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, chunk, w, scale,
@@ -560,16 +643,18 @@ if HAS_TRITON:
         TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, KB: tl.constexpr,
         BCL: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
         N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPROGP: tl.constexpr,
-        ST: tl.constexpr, PDL: tl.constexpr,
+        ST: tl.constexpr, PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ):
         """Selection keys of the blocks of TI tiles and their top n (stored); the last program of
         a kv head to finish then picks the top n of those candidates (_top_n), or with ST each of
         S's programs does."""
         bh = tl.program_id(0)
+        t_entry = _now(bh) if TRACE else 0
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
         # Below: A's results.
         bh = bh + _pdl_wait(tl.program_id(1), PDL)
+        t_rel = _now(bh) if TRACE else 0
         n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
         # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
         # the next tile); keys -1 past the query's own block.
@@ -599,10 +684,13 @@ if HAS_TRITON:
         j = t * JT + col
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
+        # (TRACE: the top n below starts here.)
+        t_mid = _now(tl.max(key, axis=0).to(tl.int32)) if TRACE else 0
         # Every key of the kv head's top n is among its program's top n.
         slot = tl.arange(0, NP)
         tl.store(cand_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * NP + slot, tl.topk(key, NP))
         if ST:
+            _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
             return
         # The last program of this kv head to get here sees every candidate (the barrier orders
         # the program's stores before its count; acq_rel publishes them and acquires the others').
@@ -610,6 +698,7 @@ if HAS_TRITON:
         done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
             _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
+        _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -642,33 +731,115 @@ if HAS_TRITON:
         return tl.where(top >= 0, NS - 1 - top % 4294967296, -1)
 
     @triton.jit
+    def _row_lse(m_a, l_a, bh, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+                 SPP: tl.constexpr):
+        """The compressed branch's lse of each of a kv head's rows, from A's partials: [GP]."""
+        g = tl.arange(0, GP)
+        sp = tl.arange(0, SPP)
+        part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
+        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
+        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0)
+        m_g = tl.max(m_sg, axis=0)
+        m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
+        den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
+        return m_g + tl.log(tl.where(den > 0, den, 1.0))
+
+    @triton.jit
+    def _tile_keys(fold_ptr, mt_ptr, lse, bh, t0, n_tiles, own, NT, NS, G: tl.constexpr, GP: tl.constexpr,
+                   TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, N_INIT: tl.constexpr,
+                   N_LOCAL: tl.constexpr):
+        """Selection keys of the blocks of tiles t0 .. t0+TI-1, [TI * JTP] (column col of tile t:
+        block t*JT + col; -1 past JT and where not valid), from A's folded probabilities: the
+        importance of a block is the sum over rows g of exp(m_t[g] - lse[g]) P_t[g, col] over the
+        tiles t whose entries reach it (its own, and columns JT.. of earlier tiles). As B's, with
+        the rows' weights [G, TI] loaded once per tile instead of per column."""
+        g = tl.arange(0, GP)[:, None]
+        t = t0 + tl.arange(0, TI)[None, :]
+        col = tl.arange(0, JTP)
+        row = (bh * NT + t).to(tl.int64) * G + g
+        ok = (g < G) & (t < n_tiles)
+        wt = tl.where(ok, tl.exp(tl.load(mt_ptr + row, mask=ok, other=0.0) - lse[:, None]), 0.0)
+        folded = tl.load(fold_ptr + row[:, :, None] * JS + col[None, None, :],
+                         mask=ok[:, :, None] & (col < JT)[None, None, :], other=0.0)
+        imp = tl.sum(wt[:, :, None] * folded, axis=0)
+        for s in tl.static_range(JS - JT):
+            # Column JT + s of tile t - (JT + s) // JT falls on column (JT + s) % JT of tile t.
+            src = t - (JT + s) // JT
+            ok_s = (g < G) & (src >= 0) & (src < n_tiles)
+            row_s = (bh * NT + src).to(tl.int64) * G + g
+            w_s = tl.where(ok_s, tl.exp(tl.load(mt_ptr + row_s, mask=ok_s, other=0.0) - lse[:, None]), 0.0)
+            f_s = tl.load(fold_ptr + row_s * JS + JT + s, mask=ok_s, other=0.0)
+            imp += tl.where(col[None, :] == (JT + s) % JT, tl.sum(w_s * f_s, axis=0)[:, None], 0.0)
+        j = (t0 + tl.arange(0, TI))[:, None] * JT + col[None, :]
+        key = tl.where(col[None, :] < JT, _sel_key(imp, j, own, NS, N_INIT, N_LOCAL), -1)
+        return tl.reshape(key, [TI * JTP])
+
+    @triton.jit
+    def _rank_blocks(fold_ptr, mt_ptr, m_a, l_a, bh, pos, Tc, NT, NS, G: tl.constexpr, GP: tl.constexpr,
+                     ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr, TIS: tl.constexpr,
+                     JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, BCL: tl.constexpr,
+                     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                     N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NP: tl.constexpr):
+        """SB: the block ids of one kv head's top n (-1 for invalid keys), [NP], in the same order
+        wherever it runs: the keys of TIS tiles of blocks at a time, up to the query's own block,
+        each group's top n merged into the running top n."""
+        lse = _row_lse(m_a, l_a, bh, G, GP, ROWS, SPLITS, SPP)
+        n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
+        own = pos // SEL_BLOCK
+        best = tl.full([NP], -1, tl.int64)
+        for t0 in range(0, own // JT + 1, TIS):
+            top = tl.topk(_tile_keys(fold_ptr, mt_ptr, lse, bh, t0, n_tiles, own, NT, NS, G, GP, TIS, JT, JTP, JS,
+                                     N_INIT, N_LOCAL), NP)
+            best = tl.topk(tl.reshape(tl.join(best, top), [2 * NP]), NP)
+        return tl.where(best >= 0, NS - 1 - best % 4294967296, -1)
+
+    @triton.jit
     def _sel_win_kernel(
-        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, cand_ptr, m_c, l_c, acc_c, Hkv, T, w, scale, NS,
-        NPROG,
+        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, cand_ptr, m_c, l_c, acc_c, fold_ptr, mt_ptr, m_a,
+        l_a, Hkv, T, Tc, NT, w, scale, NS, NPROG,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, ST: tl.constexpr,
-        NP: tl.constexpr, NPROGP: tl.constexpr, PDL: tl.constexpr,
+        NP: tl.constexpr, NPROGP: tl.constexpr, SB: tl.constexpr, TIS: tl.constexpr, GP: tl.constexpr,
+        JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, BCL: tl.constexpr, SPLITS: tl.constexpr,
+        SPP: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, N_INIT: tl.constexpr,
+        N_LOCAL: tl.constexpr, PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ):
         """With WS, programs part < NW take the window chunks, which need nothing of B and never
         wait for it (first in the grid, so that they are dispatched before the programs waiting
         for B); the others the selected block B chose in slot part - NW. Without WS, only those."""
         bh = tl.program_id(0)
+        t_entry = _now(bh) if TRACE else 0
+        t_rel = t_entry
+        t_mid = t_entry
         part = tl.program_id(1) - (NW if WS else 0)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
         pos = _load_pos(pos_ptr, b, T)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
         if part >= 0:
-            if ST:
+            zw = _pdl_wait(part, PDL)
+            if TRACE:
+                t_rel = _now(zw)
+            if SB:
+                # B is not launched: every program of the kv head ranks all blocks from A's
+                # results (the same top n in the same order) and takes the block in its slot.
+                top = _rank_blocks(fold_ptr, mt_ptr, m_a, l_a, bh + zw, pos, Tc, NT, NS, G, GP, ROWS, SPLITS, SPP,
+                                   TIS, JT, JTP, JS, BCL, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_INIT, N_LOCAL, NP)
+                blk = tl.sum(tl.where(tl.arange(0, NP) == part, top, 0))
+                tl.store(blocks_ptr + bh * N + part, blk)
+            elif ST:
                 # B stored each of its programs' top n: every program of the kv head takes the
                 # same top n of them and attends over the block in its slot (and stores its id).
-                top = _top_blocks(cand_ptr, bh + _pdl_wait(part, PDL), NS, NPROG, NP, NPROGP)
+                top = _top_blocks(cand_ptr, bh + zw, NS, NPROG, NP, NPROGP)
                 blk = tl.sum(tl.where(tl.arange(0, NP) == part, top, 0))
                 tl.store(blocks_ptr + bh * N + part, blk)
             else:
-                blk = tl.load(blocks_ptr + (bh + _pdl_wait(part, PDL)) * N + part)
+                blk = tl.load(blocks_ptr + (bh + zw) * N + part)
+            if TRACE:
+                # The block is known here: its tokens' loads and attention follow.
+                t_mid = _now(blk.to(tl.int32))
             lo = tl.maximum(blk, 0) * SEL_BLOCK
             hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
             m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
@@ -678,6 +849,7 @@ if HAS_TRITON:
             _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part + NW, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
                           WCH, BN)
+        _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
@@ -698,25 +870,37 @@ if HAS_TRITON:
     def _combine_kernel(
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates_ptr, o_ptr, pos_ptr, B,
         ADVANCE: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, SPLITS: tl.constexpr,
-        SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, PDL: tl.constexpr,
+        SPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NPP: tl.constexpr, PDL: tl.constexpr, trace_ptr,
+        TRACE: tl.constexpr,
     ):
         bh = tl.program_id(0)
         g = tl.program_id(1)
+        t_entry = _now(bh) if TRACE else 0
         ra = bh * SPLITS * ROWS + g
         # A finished before S started, so its partials merge while S runs; S's after the wait.
         o_cmp = _merge(m_a + ra, l_a + ra, acc_a + ra * DVP, 0, SPLITS, SPP, ROWS, DVP)
+        # The gates, and pos where this program advances it, come from before the op: read
+        # before the wait too, so that only S's partials are a round trip after it.
+        gate = gates_ptr + (bh * G + g) * 3
+        g_cmp = tl.load(gate).to(tl.float32)
+        g_sel = tl.load(gate + 1).to(tl.float32)
+        g_win = tl.load(gate + 2).to(tl.float32)
+        advance = ADVANCE & (bh == 0) & (g == 0)
+        bb = tl.arange(0, 128)
+        pos0 = tl.load(pos_ptr + bb, mask=(bb < B) & advance, other=0)
         z = _pdl_wait(g, PDL)
+        t_rel = _now(z) if TRACE else 0
         bh = bh + z
         rc = bh * NP * ROWS + g
         o_sel = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, 0, N, NPP, ROWS, DVP)
         o_win = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, N, NP, NPP, ROWS, DVP)
-        gate = gates_ptr + (bh * G + g) * 3
-        o = (tl.load(gate).to(tl.float32) * o_cmp + tl.load(gate + 1).to(tl.float32) * o_sel
-             + tl.load(gate + 2).to(tl.float32) * o_win)
+        o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win
         dv = tl.arange(0, DVP)
         tl.store(o_ptr + (bh * G + g) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=dv < DV)
-        if ADVANCE & (bh == 0) & (g == 0):
-            # A, B and S, the readers of pos, are done: kernels of one stream run in order.
-            for b0 in range(0, B, 1024):
-                bb = b0 + tl.arange(0, 1024)
-                tl.store(pos_ptr + bb + z, tl.load(pos_ptr + bb + z, mask=bb < B) + 1, mask=bb < B)
+        # A, B and S, the readers of pos, are done: kernels of one stream run in order.
+        tl.store(pos_ptr + bb + z, pos0 + 1, mask=(bb < B) & advance)
+        if advance:
+            for b0 in range(128, B, 128):
+                tl.store(pos_ptr + b0 + bb + z, tl.load(pos_ptr + b0 + bb + z, mask=b0 + bb < B) + 1,
+                         mask=b0 + bb < B)
+        _trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
