@@ -185,16 +185,12 @@ def test_kernels_interpreted_launch_layouts():
     # columns past them by row sums (0: one dot over all), with tiles of 4 and 16 blocks. TMA: A's
     # compressed tiles by tensor descriptors, unmasked ([1, 1, BC, D] boxes). ST: S's programs
     # take the top n of B's candidates themselves, or B's last program does (0) (with TI=2,
-    # several candidate lists). SB: B not launched, S's programs rank every block themselves,
-    # in one group of tiles or several (TIS=2 and 1: merged top n lists; BC=16: folds that
-    # reach into the next tile).
+    # several candidate lists).
     for name in ("g16-paper", "g1-separate-kv", "g8-long-cmp"):
         cfg, T = CONFIGS[name]
-        for tiles in ({"WS": 0, "FS": 1, "SB": 0}, {"WS": 1, "FS": 0, "SB": 0}, {"FS": 1, "BC": 16, "SB": 0},
-                      {"FS": 0, "BC": 16, "SB": 0}, {"TMA": 1, "WS": 0, "SB": 0}, {"TMA": 1, "FS": 1, "BC": 16},
-                      {"ST": 1, "WS": 0, "SB": 0}, {"ST": 1, "WS": 1, "BC": 16, "TI": 2, "SB": 0},
-                      {"ST": 0, "BC": 16, "TI": 2, "SB": 0}, {"SB": 1}, {"SB": 1, "WS": 0},
-                      {"SB": 1, "BC": 16, "TIS": 2}, {"SB": 1, "TIS": 1, "SW": 4}):
+        for tiles in ({"WS": 0, "FS": 1}, {"WS": 1, "FS": 0}, {"FS": 1, "BC": 16}, {"FS": 0, "BC": 16},
+                      {"TMA": 1, "WS": 0}, {"TMA": 1, "FS": 1, "BC": 16}, {"ST": 1, "WS": 0},
+                      {"ST": 1, "WS": 1, "BC": 16, "TI": 2}, {"ST": 0, "BC": 16, "TI": 2}):
             check_kernels(cfg, T, [T - 1, 100, 700 % T], torch.float32, "cpu", tiles=tiles)
 
 
@@ -238,23 +234,19 @@ def test_kernels_interpreted_block_past_the_tiles():
     # 1024..1039) lies past every tile, yet the last entry reaches into it. With no local
     # block forced, its importance decides whether the query's own block is chosen.
     cfg, _ = CONFIGS["g16-paper"]
-    for sb in (0, 1):
-        check_kernels(cfg, 1040, [1039, 1024, 1030], torch.float32, "cpu", tiles={"SB": sb})
+    check_kernels(cfg, 1040, [1039, 1024, 1030], torch.float32, "cpu")
     no_local = dataclasses.replace(cfg, n_local=0, n_selected=3)
     inputs = list(make_inputs(no_local, 2, 1040, torch.float32, "cpu"))
     # Queries along the last entry (63: chunks 63 and 64): block 15 first, block 16 second.
     inputs[0] = 2 * inputs[5][:, :, 63:64].expand_as(inputs[0])
-    for sb in (0, 1):
-        blocks = check_kernels(no_local, 1040, [1039, 1039], torch.float32, "cpu", tiles={"BC": 16, "SB": sb},
-                               inputs=inputs)
-        assert (blocks == 16).any(dim=-1).all(), "the block past the tiles must be chosen"
+    blocks = check_kernels(no_local, 1040, [1039, 1039], torch.float32, "cpu", tiles={"BC": 16}, inputs=inputs)
+    assert (blocks == 16).any(dim=-1).all(), "the block past the tiles must be chosen"
     # l = d and T % d != 0: tokens 1024..1028 are in no compressed entry; block 32 (the query's
     # own) has importance 0 and is chosen since n covers every valid block.
     uncovered = NSAConfig(n_heads=4, n_kv_heads=1, head_dim=32, cmp_block=16, cmp_stride=16, sel_block=32,
                           n_selected=40, n_initial=1, n_local=0, window=32)
-    for sb in (0, 1):
-        blocks = check_kernels(uncovered, 1029, [1028, 1027], torch.float32, "cpu", tiles={"SB": sb})
-        assert (blocks == 32).any(dim=-1).all()
+    blocks = check_kernels(uncovered, 1029, [1028, 1027], torch.float32, "cpu")
+    assert (blocks == 32).any(dim=-1).all()
 
 
 @interpreter
@@ -265,10 +257,9 @@ def test_kernels_interpreted_exact_ties():
     inputs[0] = torch.zeros_like(inputs[0])
     pos = torch.tensor([650, 300])
     args = (*inputs[:7], pos, inputs[7])
+    _, blocks = decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg)
     _, want = decode_attend_torch(*args, cfg)
-    for sb in (0, 1):
-        _, blocks = decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg, {"SB": sb})
-        assert torch.equal(sort_block_indices(blocks), sort_block_indices(want)), sb
+    assert torch.equal(sort_block_indices(blocks), sort_block_indices(want))
 
 
 GPU_CASES = [
@@ -297,9 +288,7 @@ def test_kernels_gpu(name, B, dtype):
 LAUNCH_VARIANTS = [pytest.param(t, id=",".join(f"{k}{v}" for k, v in t.items()))
                    for t in ({"PDL": 0}, {"WS": 0}, {"WS": 1}, {"PDL": 0, "WS": 0}, {"PDL": 0, "WS": 1},
                              {"FS": 0}, {"FS": 1}, {"TMA": 0}, {"TMA": 1}, {"TMA": 1, "FS": 1, "WS": 0},
-                             {"ST": 0, "SB": 0}, {"ST": 1, "SB": 0}, {"ST": 1, "WS": 0, "SB": 0},
-                             {"ST": 1, "WS": 0, "SREG": 128, "SB": 0}, {"SB": 1}, {"SB": 1, "WS": 0},
-                             {"SB": 1, "PDL": 0}, {"SB": 1, "TIS": 1, "SW": 4})]
+                             {"ST": 0}, {"ST": 1}, {"ST": 1, "WS": 0}, {"ST": 1, "WS": 0, "SREG": 128})]
 
 
 @gpu
@@ -314,9 +303,8 @@ def test_kernels_gpu_launch_variants(name, tiles):
 
 
 @gpu
-@pytest.mark.parametrize("sb", [0, 1])
 @pytest.mark.parametrize("ws", [0, 1])
-def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote(ws, sb):
+def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote(ws):
     # PDL lets each kernel start before the previous one ends; only what comes from two
     # launches back may be read before its wait. Here the kernels just before the op rewrite
     # its inputs (q, the window cache, pos) on every replay of one CUDA graph: every replay must
@@ -336,8 +324,7 @@ def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote(ws, sb):
         q.copy_(src["q"])
         k.copy_(src["k"])
         pos.copy_(src["pos"])
-        return decode_triton.decode_attend_triton(q, k, v, k, v, k_cmp, v_cmp, pos, gates, scale, cfg,
-                                                  {"WS": ws, "SB": sb})
+        return decode_triton.decode_attend_triton(q, k, v, k, v, k_cmp, v_cmp, pos, gates, scale, cfg, {"WS": ws})
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     step()
@@ -352,8 +339,7 @@ def test_gpu_pdl_graph_replays_see_what_the_kernels_before_wrote(ws, sb):
         graph.replay()
         o_got, blocks_got = o_graph.clone(), blocks_graph.clone()
         o_want, blocks_want = decode_triton.decode_attend_triton(
-            src["q"], src["k"], v, src["k"], v, k_cmp, v_cmp, src["pos"], gates, scale, cfg,
-            {"PDL": 0, "WS": ws, "SB": sb})
+            src["q"], src["k"], v, src["k"], v, k_cmp, v_cmp, src["pos"], gates, scale, cfg, {"PDL": 0, "WS": ws})
         assert torch.equal(sort_block_indices(blocks_got), sort_block_indices(blocks_want)), f"replay {i}"
         assert torch.equal(o_got, o_want), f"replay {i}: {(o_got.float() - o_want.float()).abs().max():.3e}"
 

@@ -127,7 +127,7 @@ partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), t
 (bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
-             "FS", "TMA", "ST", "SREG", "SB", "TIS")
+             "FS", "TMA", "ST", "SREG")
 
 
 def _next_pow2(x: int) -> int:
@@ -190,13 +190,10 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     WCH = BN * _cdiv(config.sel_block, BN)
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
-    # SB: each of S's programs ranks the blocks itself, B not launched (see below).
-    sb = B * Hkv <= 4
     return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
-            "IW": 4, "SW": 8 if sb else 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
+            "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
             "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4),
-            "TMA": int(B * Hkv > 16), "ST": 1, "SREG": 128 if B * Hkv > 16 else 0,
-            "SB": int(sb), "TIS": 0}
+            "TMA": int(B * Hkv > 16), "ST": 1, "SREG": 128 if B * Hkv > 16 else 0}
 
 
 def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, config: NSAConfig,
@@ -235,14 +232,12 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     if cfg["TI"] < 1 or cfg["TI"] & (cfg["TI"] - 1):
         # B sorts each program's TI * JT keys with a bitonic network.
         raise ValueError(f"decode tile TI={cfg['TI']} must be a power of two >= 1")
-    for key in ("PDL", "WS", "FS", "TMA", "ST", "SB"):
+    for key in ("PDL", "WS", "FS", "TMA", "ST"):
         if cfg[key] not in (0, 1):
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 or 1")
     for key in ("maxnreg", "SREG"):
         if cfg.get(key) and not 24 <= cfg[key] <= 255:
             raise ValueError(f"decode tile {key}={cfg[key]} must be 0 (no cap) or 24..255 registers")
-    if cfg["TIS"] < 0 or cfg["TIS"] & (cfg["TIS"] - 1):
-        raise ValueError(f"decode tile TIS={cfg['TIS']} must be 0 (by S's warps) or a power of two")
     # A tile: JT whole selection blocks; its entries' chunks reach JS - JT blocks further.
     JT = BC // R
     BCL, JS = R * JT, (R * JT + M_CMP - 2) // R + 1
@@ -311,25 +306,20 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         WS=ws, PREFETCH=after_cache_step, TMA=tma, **traced[0], **launch,
     )
-    st, sb = bool(cfg["ST"]), bool(cfg["SB"])
-    GP, JTP = _next_pow2(G), _next_pow2(JT)
-    if not sb:
-        wrap_triton(_importance_kernel)[grids[1]](
-            fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
-            G=G, GP=GP, ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
-            JTP=JTP, JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-            SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
-            NPROGP=_next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **traced[1], **pdl_args,
-        )
+    st = bool(cfg["ST"])
+    wrap_triton(_importance_kernel)[grids[1]](
+        fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
+        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
+        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+        SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
+        NPROGP=_next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **traced[1], **pdl_args,
+    )
     wrap_triton(_sel_win_kernel)[grids[2]](
-        q, k, v, k_win, v_win, pos, blocks, cand, m_c, l_c, acc_c, fold, m_tile, m_a, l_a, Hkv, T, Tc, NT, w, scale,
-        NS, NPROG,
+        q, k, v, k_win, v_win, pos, blocks, cand, m_c, l_c, acc_c, Hkv, T, w, scale, NS, NPROG,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, ST=st, NP=NP,
-        NPROGP=_next_pow2(NPROG), SB=sb, TIS=sel_tiles(cfg, G, JT, NTI, NP), GP=GP, JT=JT, JTP=JTP, JS=JS, BCL=BCL,
-        SPLITS=SPLITS, SPP=_next_pow2(SPLITS), CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
-        N_INIT=config.n_initial, N_LOCAL=config.n_local, num_warps=cfg["SW"], num_stages=cfg["num_stages"],
-        **traced[2], **pdl_args, **({"maxnreg": cfg["SREG"]} if cfg.get("SREG") else {}),
+        NPROGP=_next_pow2(NPROG), num_warps=cfg["SW"], num_stages=cfg["num_stages"], **traced[2], **pdl_args,
+        **({"maxnreg": cfg["SREG"]} if cfg.get("SREG") else {}),
     )
     wrap_triton(_combine_kernel)[grids[3]](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
@@ -349,20 +339,8 @@ def launch_grids(B: int, Hkv: int, T: int, Tc: int, config: NSAConfig, cfg: dict
     TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
     NPROG = _cdiv(_cdiv(num_sel_blocks(T, config), JT), TI)
     BH, ws = B * Hkv, bool(cfg["WS"])
-    # With SB, B is not launched: (BH, 0).
-    return [(BH, cfg["SPLITS"] + (0 if ws else NW)), (BH, 0 if cfg["SB"] else NPROG),
-            (BH, config.n_selected + (NW if ws else 0)), (BH, G if G is not None else config.group_size)]
-
-
-def sel_tiles(cfg: dict[str, int], G: int, JT: int, NTI: int, NP: int) -> int:
-    """SB: tiles of blocks per step of S's selection loop (TIS, or by S's warps): the step holds
-    [G', TIS, JT'] folded probabilities, at most ~64 values a thread, and no more tiles than
-    the cache has (NTI); raised to hold at least NP blocks, as B's TI."""
-    tis = cfg["TIS"]
-    if not tis:
-        fits = max(1, 64 * 32 * cfg["SW"] // (_next_pow2(G) * _next_pow2(JT)))
-        tis = min(1 << (fits.bit_length() - 1), _next_pow2(NTI))
-    return max(tis, _cdiv(NP, _next_pow2(JT)))
+    return [(BH, cfg["SPLITS"] + (0 if ws else NW)), (BH, NPROG), (BH, config.n_selected + (NW if ws else 0)),
+            (BH, G if G is not None else config.group_size)]
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
@@ -659,8 +637,16 @@ if HAS_TRITON:
         # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
         # the next tile); keys -1 past the query's own block.
         g = tl.arange(0, GP)
-        sp = tl.arange(0, SPP)
+        i = tl.arange(0, TI * JTP)
+        t = t0 + i // JTP
+        col = i % JTP
+        # The folds of the tiles reaching these blocks, own (kk = 0) and previous (1; KB >= 2
+        # always), are loaded before the lse's partials are used, so that all of them are one
+        # round trip after the wait rather than two.
+        m_0, f_0, ok_0 = _fold_loads(fold_ptr, mt_ptr, bh, t, col, g, n_tiles, NT, 0, G, JT, JS)
+        m_1, f_1, ok_1 = _fold_loads(fold_ptr, mt_ptr, bh, t, col, g, n_tiles, NT, 1, G, JT, JS)
         # lse of each row from A's partials.
+        sp = tl.arange(0, SPP)
         part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
         m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
         l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0)
@@ -668,19 +654,11 @@ if HAS_TRITON:
         m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
         den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
         lse = m_g + tl.log(tl.where(den > 0, den, 1.0))
-        i = tl.arange(0, TI * JTP)
-        t = t0 + i // JTP
-        col = i % JTP
-        imp = tl.zeros([TI * JTP], tl.float32)
-        for kk in tl.static_range(KB):
-            # Tile t - kk's column col + kk*JT falls on block t*JT + col.
-            src = t - kk
-            t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
-            row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
-            ok = (g[:, None] < G) & t_ok[None, :]
-            m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
-            folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
-            imp += tl.sum(tl.where(ok, tl.exp(m_t - lse[:, None]) * folded, 0.0), axis=0)
+        imp = (tl.sum(tl.where(ok_0, tl.exp(m_0 - lse[:, None]) * f_0, 0.0), axis=0)
+               + tl.sum(tl.where(ok_1, tl.exp(m_1 - lse[:, None]) * f_1, 0.0), axis=0))
+        for kk in tl.static_range(2, KB):
+            m_k, f_k, ok_k = _fold_loads(fold_ptr, mt_ptr, bh, t, col, g, n_tiles, NT, kk, G, JT, JS)
+            imp += tl.sum(tl.where(ok_k, tl.exp(m_k - lse[:, None]) * f_k, 0.0), axis=0)
         j = t * JT + col
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
@@ -699,6 +677,20 @@ if HAS_TRITON:
         if done == tl.num_programs(1) - 1:
             _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
         _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
+
+    @triton.jit
+    def _fold_loads(fold_ptr, mt_ptr, bh, t, col, g, n_tiles, NT, kk: tl.constexpr, G: tl.constexpr,
+                    JT: tl.constexpr, JS: tl.constexpr):
+        """(m_t, P_t[:, col + kk*JT], ok) [G', TI*JT'] of the tiles t - kk: tile t - kk's column
+        col + kk*JT falls on block t*JT + col. Importance 0 where nothing is visible (a tile's
+        entries also reach the first blocks of the next tile)."""
+        src = t - kk
+        t_ok = (src >= 0) & (src < n_tiles) & (col < JT) & (col + kk * JT < JS)
+        row = (bh * NT + src).to(tl.int64)[None, :] * G + g[:, None]
+        ok = (g[:, None] < G) & t_ok[None, :]
+        m_t = tl.load(mt_ptr + row, mask=ok, other=0.0)
+        folded = tl.load(fold_ptr + row * JS + (col + kk * JT)[None, :], mask=ok, other=0.0)
+        return m_t, folded, ok
 
     @triton.jit
     def _sel_key(imp, j, own, NS, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
@@ -731,80 +723,14 @@ if HAS_TRITON:
         return tl.where(top >= 0, NS - 1 - top % 4294967296, -1)
 
     @triton.jit
-    def _row_lse(m_a, l_a, bh, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
-                 SPP: tl.constexpr):
-        """The compressed branch's lse of each of a kv head's rows, from A's partials: [GP]."""
-        g = tl.arange(0, GP)
-        sp = tl.arange(0, SPP)
-        part = (bh * SPLITS + sp[:, None]) * ROWS + g[None, :]
-        m_sg = tl.load(m_a + part, mask=sp[:, None] < SPLITS, other=float("-inf"))
-        l_sg = tl.load(l_a + part, mask=sp[:, None] < SPLITS, other=0.0)
-        m_g = tl.max(m_sg, axis=0)
-        m_g = tl.where(m_g == float("-inf"), 0.0, m_g)
-        den = tl.sum(l_sg * tl.exp(m_sg - m_g[None, :]), axis=0)
-        return m_g + tl.log(tl.where(den > 0, den, 1.0))
-
-    @triton.jit
-    def _tile_keys(fold_ptr, mt_ptr, lse, bh, t0, n_tiles, own, NT, NS, G: tl.constexpr, GP: tl.constexpr,
-                   TI: tl.constexpr, JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, N_INIT: tl.constexpr,
-                   N_LOCAL: tl.constexpr):
-        """Selection keys of the blocks of tiles t0 .. t0+TI-1, [TI * JTP] (column col of tile t:
-        block t*JT + col; -1 past JT and where not valid), from A's folded probabilities: the
-        importance of a block is the sum over rows g of exp(m_t[g] - lse[g]) P_t[g, col] over the
-        tiles t whose entries reach it (its own, and columns JT.. of earlier tiles). As B's, with
-        the rows' weights [G, TI] loaded once per tile instead of per column."""
-        g = tl.arange(0, GP)[:, None]
-        t = t0 + tl.arange(0, TI)[None, :]
-        col = tl.arange(0, JTP)
-        row = (bh * NT + t).to(tl.int64) * G + g
-        ok = (g < G) & (t < n_tiles)
-        wt = tl.where(ok, tl.exp(tl.load(mt_ptr + row, mask=ok, other=0.0) - lse[:, None]), 0.0)
-        folded = tl.load(fold_ptr + row[:, :, None] * JS + col[None, None, :],
-                         mask=ok[:, :, None] & (col < JT)[None, None, :], other=0.0)
-        imp = tl.sum(wt[:, :, None] * folded, axis=0)
-        for s in tl.static_range(JS - JT):
-            # Column JT + s of tile t - (JT + s) // JT falls on column (JT + s) % JT of tile t.
-            src = t - (JT + s) // JT
-            ok_s = (g < G) & (src >= 0) & (src < n_tiles)
-            row_s = (bh * NT + src).to(tl.int64) * G + g
-            w_s = tl.where(ok_s, tl.exp(tl.load(mt_ptr + row_s, mask=ok_s, other=0.0) - lse[:, None]), 0.0)
-            f_s = tl.load(fold_ptr + row_s * JS + JT + s, mask=ok_s, other=0.0)
-            imp += tl.where(col[None, :] == (JT + s) % JT, tl.sum(w_s * f_s, axis=0)[:, None], 0.0)
-        j = (t0 + tl.arange(0, TI))[:, None] * JT + col[None, :]
-        key = tl.where(col[None, :] < JT, _sel_key(imp, j, own, NS, N_INIT, N_LOCAL), -1)
-        return tl.reshape(key, [TI * JTP])
-
-    @triton.jit
-    def _rank_blocks(fold_ptr, mt_ptr, m_a, l_a, bh, pos, Tc, NT, NS, G: tl.constexpr, GP: tl.constexpr,
-                     ROWS: tl.constexpr, SPLITS: tl.constexpr, SPP: tl.constexpr, TIS: tl.constexpr,
-                     JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, BCL: tl.constexpr,
-                     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                     N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NP: tl.constexpr):
-        """SB: the block ids of one kv head's top n (-1 for invalid keys), [NP], in the same order
-        wherever it runs: the keys of TIS tiles of blocks at a time, up to the query's own block,
-        each group's top n merged into the running top n."""
-        lse = _row_lse(m_a, l_a, bh, G, GP, ROWS, SPLITS, SPP)
-        n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
-        own = pos // SEL_BLOCK
-        best = tl.full([NP], -1, tl.int64)
-        for t0 in range(0, own // JT + 1, TIS):
-            top = tl.topk(_tile_keys(fold_ptr, mt_ptr, lse, bh, t0, n_tiles, own, NT, NS, G, GP, TIS, JT, JTP, JS,
-                                     N_INIT, N_LOCAL), NP)
-            best = tl.topk(tl.reshape(tl.join(best, top), [2 * NP]), NP)
-        return tl.where(best >= 0, NS - 1 - best % 4294967296, -1)
-
-    @triton.jit
     def _sel_win_kernel(
-        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, cand_ptr, m_c, l_c, acc_c, fold_ptr, mt_ptr, m_a,
-        l_a, Hkv, T, Tc, NT, w, scale, NS, NPROG,
+        q_ptr, k_ptr, v_ptr, kw_ptr, vw_ptr, pos_ptr, blocks_ptr, cand_ptr, m_c, l_c, acc_c, Hkv, T, w, scale, NS,
+        NPROG,
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skw_b, skw_h, skw_t, svw_b, svw_h, svw_t,
         G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
         DVP: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr, N: tl.constexpr, NW: tl.constexpr,
         WCH: tl.constexpr, SEL_BLOCK: tl.constexpr, BN: tl.constexpr, WS: tl.constexpr, ST: tl.constexpr,
-        NP: tl.constexpr, NPROGP: tl.constexpr, SB: tl.constexpr, TIS: tl.constexpr, GP: tl.constexpr,
-        JT: tl.constexpr, JTP: tl.constexpr, JS: tl.constexpr, BCL: tl.constexpr, SPLITS: tl.constexpr,
-        SPP: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, N_INIT: tl.constexpr,
-        N_LOCAL: tl.constexpr, PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+        NP: tl.constexpr, NPROGP: tl.constexpr, PDL: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ):
         """With WS, programs part < NW take the window chunks, which need nothing of B and never
         wait for it (first in the grid, so that they are dispatched before the programs waiting
@@ -822,14 +748,7 @@ if HAS_TRITON:
             zw = _pdl_wait(part, PDL)
             if TRACE:
                 t_rel = _now(zw)
-            if SB:
-                # B is not launched: every program of the kv head ranks all blocks from A's
-                # results (the same top n in the same order) and takes the block in its slot.
-                top = _rank_blocks(fold_ptr, mt_ptr, m_a, l_a, bh + zw, pos, Tc, NT, NS, G, GP, ROWS, SPLITS, SPP,
-                                   TIS, JT, JTP, JS, BCL, CMP_BLOCK, CMP_STRIDE, SEL_BLOCK, N_INIT, N_LOCAL, NP)
-                blk = tl.sum(tl.where(tl.arange(0, NP) == part, top, 0))
-                tl.store(blocks_ptr + bh * N + part, blk)
-            elif ST:
+            if ST:
                 # B stored each of its programs' top n: every program of the kv head takes the
                 # same top n of them and attends over the block in its slot (and stores its id).
                 top = _top_blocks(cand_ptr, bh + zw, NS, NPROG, NP, NPROGP)
