@@ -403,6 +403,19 @@ def test_kernels_interpreted_advance():
     assert torch.equal(moved, pos + 1) and torch.equal(o_adv, o) and torch.equal(blocks_adv, blocks)
 
 
+@interpreter
+def test_kernels_interpreted_advance_past_128_sequences():
+    # D reads the first 128 lengths before its wait and the rest after it: both parts advance.
+    cfg = NSAConfig(n_heads=2, n_kv_heads=1, head_dim=16, cmp_block=16, cmp_stride=8, sel_block=16, n_selected=2,
+                    n_local=1, window=16)
+    B, T = 130, 64
+    inputs = make_inputs(cfg, B, T, torch.float32, "cpu")
+    pos = torch.randint(0, T, (B,), generator=torch.Generator().manual_seed(0))
+    moved = pos.clone()
+    decode_triton.decode_attend_triton(*inputs[:7], moved, inputs[7], 0.25, cfg, advance=True)
+    assert torch.equal(moved, pos + 1)
+
+
 @gpu
 def test_opcheck_cuda():
     if not decode_triton.HAS_TRITON:
