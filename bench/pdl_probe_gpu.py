@@ -9,6 +9,10 @@ Triton, captured in a CUDA graph, with and without `launch_pdl=True` and
 `gdc_wait` / `gdc_launch_dependents` in the kernels. It checks the result of each variant
 (PDL must not break the dependency) and reports us per kernel. It also tries the same
 launch through torch.compile (wrap_triton in a triton_op), to see whether that path accepts the option.
+
+"flags" (session 13): each kernel lets the next launch at once and spins on a counter until every
+program of the kernel ahead has counted itself in, instead of PDL's grid-wide wait. It was slower
+than PDL at every size (bench/results/2026-11-25_h100_pdl_probe_flags_s13.json).
 """
 
 from __future__ import annotations

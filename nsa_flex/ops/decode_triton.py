@@ -30,6 +30,14 @@ B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's par
    tiles' keys (a bitonic tl.topk): every key of the kv head's top n is among them. The last
    program of the kv head to finish (an atomic count; A zeroes the counters) takes the top n
    of all its programs' candidates; or with ST (the default) each of S's programs does.
+   B issues the loads of its tiles' folds before it uses the lse's partials, so that they are
+   one round trip after its wait (the keys 1.8-2.2 us after its release against 2.0-2.9 at B=1,
+   64k on an H100; the step the same within noise, ..._h100_decode_timeline_bloads_s13.json).
+   Measured and dropped (H100, session 13, commit afcb61f, ..._h100_decode_step_sb_s13.json): SB,
+   B not launched and each of S's programs ranking every block itself (lse, importance, and a
+   top n of 1024 keys per group of 64 tiles): correct, but the step took 91 us against 17 at
+   B=1, 64k, 19 against 13 at 8k; the per-program timeline showed the ranking taking ~76 us
+   (Triton's bitonic top n of 1024 keys in one program; B spreads 128 keys over each of 9).
    Measured and dropped (H200, 64k; ..._decode_tiles_v4.json, ..._decode_tiles_v5*.json): a
    separate top-n kernel ranking each block against the candidates of the n tiles with the
    largest maxima (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8); that rank in the tail (B 13 us
@@ -44,7 +52,12 @@ S  selected branch, grid (B*Hkv, n), or (B*Hkv, NW + n) with WS: each program at
 D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
    partials (a softmax each), applies the gates in fp32 and writes o in q's dtype. With
    advance, its first program then adds 1 to pos (the readers, A, B and S, are done), which
-   saves a decode step its lengths kernel.
+   saves a decode step its lengths kernel. The gates and (advancing) the first 128 lengths
+   come from before the op and are read before D's wait: after it only S's partials are a
+   round trip. At B=1, 64k D's one warp holds A's 65 partials in 255 registers and spills
+   424 bytes (ptxas, bench/kernel_regs.py); that merge runs before the wait, off the step's
+   path, and 2, 4 or 8 warps were no faster (the step 16.6-17.8 us either way, 19.7 with 8;
+   ..._h100_decode_step_dw_s13.json, ..._h100_decode_step_bloads_s13.json).
 
 Programmatic dependent launch (PDL, sm_90+; _pdl_wait): each kernel, cache_step's included, is
 launched before the one ahead of it ends, waits for it (griddepcontrol.wait), then lets the next
@@ -89,6 +102,12 @@ taking 2-3x its time in its own kernel (a B item 8.5 us, a D item 5 us with noth
 running). Polling with atomics, volatile loads or ld.acquire, and backing off with nanosleep,
 changed nothing. The fused cubin is 430 KB, the four kernels' together as large; a likely cause
 is that the phases' code no longer stays in the SMs' instruction caches. Not measured.
+
+A handover by counters instead of PDL's grid-wide wait, measured and dropped (H100, session 13,
+bench/pdl_probe_gpu.py, ..._h100_pdl_probe_flags_s13.json): each kernel of a chain lets the next
+launch at once and spins (acquiring atomic) until every program of the kernel ahead has counted
+itself in. Per kernel of a chain of trivial kernels from a CUDA graph it cost 1.5-4.7 us against
+PDL's 1.1-1.7 (plain launches 1.4-2.0), slower at every size tried (64-512 programs).
 
 Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
 as flash does; the fold dot runs in fp32 (ieee). On tensor cores (tf32, or p in bf16; a
