@@ -28,16 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_tiles_gpu import parse_tiles  # noqa: E402
 
 
-_COMPILED = {}
-
-
-def compiled(prob: _Problem):
-    """The step under torch.compile (compiled on first use only: it takes a while)."""
-    if id(prob) not in _COMPILED:
-        _COMPILED[id(prob)] = torch.compile(prob.nsa_step, fullgraph=True)
-    return _COMPILED[id(prob)]()
-
-
 def parts(prob: _Problem) -> dict:
     cache, pr, gates = prob.cache, prob.pr, prob.gates
     cfg = cache.config
@@ -61,7 +51,15 @@ def parts(prob: _Problem) -> dict:
         cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
                    phi_count=cache.phi_count)
 
-    return {"step-eager": prob.nsa_step, "step-compiled": lambda: compiled(prob),
+    compiled = []
+
+    def step_compiled():
+        # Compiled on first use only (it takes a while): --parts may leave it out.
+        if not compiled:
+            compiled.append(torch.compile(prob.nsa_step, fullgraph=True))
+        return compiled[0]()
+
+    return {"step-eager": prob.nsa_step, "step-compiled": step_compiled,
             "op-eager": op_only, "cache_step-eager": cache_only,
             "cache_step-fresh": cache_fresh}
 

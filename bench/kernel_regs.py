@@ -82,16 +82,18 @@ class _Compiler:
 
 
 def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: bool = False) -> list[dict]:
-    from nsa_flex.bench.decode import random_step_inputs
+    """The rows of one step's kernels at B sequences of T cached tokens (the bench's shape and slack)."""
+    from nsa_flex.bench.decode import SLACK, random_step_inputs
     from nsa_flex.config import PRESETS
     from nsa_flex.decode import _step_tensors
-    cs = importlib.import_module("nsa_flex.ops.cache_step")
-    dt = importlib.import_module("nsa_flex.ops.decode_triton")
     from nsa_flex.ops.decode_attend import _prepare
     from nsa_flex.ops.phi_step import phi_params
 
+    # The modules, not nsa_flex.ops's functions of the same names: their wrap_triton is swapped below.
+    cs = importlib.import_module("nsa_flex.ops.cache_step")
+    dt = importlib.import_module("nsa_flex.ops.decode_triton")
     n = PRESETS["bench"]
-    cache, pr, gates, phi_k, phi_v = random_step_inputs(n, B, T + 64, torch.bfloat16, "cpu")
+    cache, pr, gates, phi_k, phi_v = random_step_inputs(n, B, T + SLACK, torch.bfloat16, "cpu")
     cache.lengths.fill_(T)
     tokens, caches = _step_tensors(cache, pr)
     k, v, k_win, v_win, _, _, k_cmp, v_cmp = caches
@@ -103,14 +105,11 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
     saved = dt.wrap_triton, cs.wrap_triton
     dt.wrap_triton = cs.wrap_triton = comp
     try:
-        traces = {}
-        if trace:
-            traces = dict(trace=torch.zeros(4, 4096, 5, dtype=torch.int64))
+        stamps = (lambda *shape: {"trace": torch.zeros(*shape, 5, dtype=torch.int64)} if trace else {})  # noqa: E731
         cs._cache_step_triton(*tokens, *caches, cache.lengths, cache.phi_count, phi_params(phi_k),
-                              phi_params(phi_v), n.cmp_block, n.cmp_stride,
-                              **({"trace": torch.zeros(4096, 5, dtype=torch.int64)} if trace else {}))
+                              phi_params(phi_v), n.cmp_block, n.cmp_stride, **stamps(4096))
         dt.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, cache.lengths, g, scale, n, tiles,
-                                advance=True, after_cache_step=True, **traces)
+                                advance=True, after_cache_step=True, **stamps(4, 4096))
     finally:
         dt.wrap_triton, cs.wrap_triton = saved
     return comp.rows
