@@ -654,6 +654,15 @@ def test_bad_tiles(tiles, message):
         decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg, tiles)
 
 
+@pytest.mark.parametrize("trace", [torch.zeros(4, 4096, 5), torch.zeros(3, 4096, 5, dtype=torch.int64),
+                                   torch.zeros(4, 1, 5, dtype=torch.int64)], ids=["float", "3-kernels", "1-program"])
+def test_bad_trace(trace):
+    # The timeline buffer (bench/decode_timeline_gpu.py): int64, one [programs, 5] slab per kernel.
+    cfg, args = _op_args(name="g16-paper")
+    with pytest.raises(ValueError, match="trace must be a contiguous int64 tensor \\[4, >= \\d+, 5\\]"):
+        decode_triton.decode_attend_triton(*args, cfg.head_dim ** -0.5, cfg, trace=trace)
+
+
 # ---------------------------------------------------------------- nsa_flex::cache_step
 
 def _cache_step_case(dtype, separate: bool, device="cpu", D=32, B=5):
