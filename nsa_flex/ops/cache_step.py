@@ -179,10 +179,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         phi_count = torch.zeros((B, Hkv, 2), dtype=torch.int32, device=k.device)
     # The chunks' first-layer sums, per side and block of rows.
     parts = torch.empty((2, nrb, chunks, RB, H1), dtype=torch.float32, device=k.device)
-    if trace is not None and (trace.dtype != torch.int64 or trace.dim() != 2 or trace.shape[0] < nrb * 2 * chunks
-                              or trace.shape[1] != 5 or not trace.is_contiguous()):
-        raise ValueError(f"trace must be a contiguous int64 tensor [>= {nrb * 2 * chunks}, 5]; "
-                         f"got {trace.dtype} {list(trace.shape)}")
+    decode_triton.check_trace(trace, nrb * 2 * chunks)
     wrap_triton(_cache_step_kernel)[(nrb, 2 * chunks)](
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
         phi_count, parts,

@@ -278,10 +278,8 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     # tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet) and store the top
     # n of their keys; enough tiles that a program holds at least n keys.
     KB = 1 + _cdiv(JS - JT, JT)
-    NTI = _cdiv(NS, JT)
     NP = _next_pow2(N)
-    TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
-    NPROG = _cdiv(NTI, TI)
+    TI, NPROG = _importance_programs(T, config, JT, cfg)
     f32 = torch.float32
     m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
     acc_a = torch.empty((BH, SPLITS, ROWS, DVP), dtype=f32, device=dev)
@@ -311,10 +309,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     kc_desc, vc_desc = ((TensorDescriptor.from_tensor(x, [1, 1, BC, p]) for x, p in ((k_cmp, DKP), (v_cmp, DVP)))
                         if tma else (k_cmp, v_cmp))
     grids = launch_grids(B, Hkv, T, Tc, config, cfg, G)
-    if trace is not None and (trace.dtype != torch.int64 or trace.shape[0] != 4 or trace.shape[2] != 5
-                              or trace.shape[1] < max(a * b for a, b in grids) or not trace.is_contiguous()):
-        raise ValueError(f"trace must be a contiguous int64 tensor [4, >= {max(a * b for a, b in grids)}, 5]; "
-                         f"got {trace.dtype} {list(trace.shape)}")
+    check_trace(trace, max(a * b for a, b in grids), kernels=4)
     traced = [dict(trace_ptr=pos if trace is None else trace[i], TRACE=trace is not None) for i in range(4)]
     wrap_triton(_cmp_win_kernel)[grids[0]](
         q, k_cmp, v_cmp, kc_desc, vc_desc, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
@@ -351,15 +346,30 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
 def launch_grids(B: int, Hkv: int, T: int, Tc: int, config: NSAConfig, cfg: dict[str, int],
                 G: int | None = None) -> list[tuple[int, int]]:
     """The grids of A, B, S and D for tiles cfg (launch_config's result with any overrides)."""
-    R = config.sel_block // config.cmp_stride
-    JT = cfg["BC"] // R
     NW = _cdiv(min(config.window, T), cfg["WCH"])
-    NP = _next_pow2(config.n_selected)
-    TI = max(cfg["TI"], _cdiv(NP, _next_pow2(JT)))
-    NPROG = _cdiv(_cdiv(num_sel_blocks(T, config), JT), TI)
+    _, NPROG = _importance_programs(T, config, cfg["BC"] // (config.sel_block // config.cmp_stride), cfg)
     BH, ws = B * Hkv, bool(cfg["WS"])
     return [(BH, cfg["SPLITS"] + (0 if ws else NW)), (BH, NPROG), (BH, config.n_selected + (NW if ws else 0)),
             (BH, G if G is not None else config.group_size)]
+
+
+def _importance_programs(T: int, config: NSAConfig, JT: int, cfg: dict[str, int]) -> tuple[int, int]:
+    """(TI, programs per kv head) of B: TI tiles of JT blocks each, enough that a program holds at
+    least n keys."""
+    TI = max(cfg["TI"], _cdiv(_next_pow2(config.n_selected), _next_pow2(JT)))
+    return TI, _cdiv(_cdiv(num_sel_blocks(T, config), JT), TI)
+
+
+def check_trace(trace: torch.Tensor | None, programs: int, kernels: int | None = None) -> None:
+    """A timeline buffer (TRACE; bench/decode_timeline_gpu.py): contiguous int64, [programs, 5]
+    rows per kernel, with a leading dim of `kernels` where one buffer serves several."""
+    if trace is None:
+        return
+    lead = [] if kernels is None else [kernels]
+    if (trace.dtype != torch.int64 or not trace.is_contiguous() or list(trace.shape[:-2]) != lead
+            or trace.dim() != len(lead) + 2 or trace.shape[-2] < programs or trace.shape[-1] != 5):
+        want = ", ".join(str(x) for x in lead + [f">= {programs}", 5])
+        raise ValueError(f"trace must be a contiguous int64 tensor [{want}]; got {trace.dtype} {list(trace.shape)}")
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
