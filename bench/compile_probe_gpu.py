@@ -31,7 +31,7 @@ stacks = open(sys.argv[3], 'w')
 faulthandler.dump_traceback_later(float(sys.argv[4]), repeat=True, file=stacks)
 from nsa_flex import NSAConfig
 from nsa_flex.flex import nsa_flex
-from nsa_flex.tuning import install_flex_tuning
+from nsa_flex.flex.tuning import install_flex_tuning
 from flex_gpu import inputs
 install_flex_tuning()
 mode, T = sys.argv[1], int(sys.argv[2])

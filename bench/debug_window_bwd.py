@@ -2,9 +2,9 @@
 import json, os, sys, time
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from nsa_flex import tuning
-from nsa_flex.masks import window_block_mask
-from nsa_flex.masks.window import window_mask_mod
+from nsa_flex.flex import tuning
+from nsa_flex.flex.masks import window_block_mask
+from nsa_flex.flex.masks.window import window_mask_mod
 
 tuning.install_flex_tuning()
 out = {}

@@ -77,7 +77,7 @@ def merge(paths: list[str], out: Path, name: str | None) -> int:
 
 def check_model_generate(device: str) -> bool:
     """The whole-model step (Generator, compiled on CUDA) against NSALM.forward, greedy, fp32."""
-    from nsa_flex.generate import generate
+    from nsa_flex.decoding.generate import generate
     from nsa_flex.model import MODEL_PRESETS, NSALM
 
     try:

@@ -40,9 +40,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nsa_flex.bench.decode import graph_step_times, kernel_profile, random_step_inputs
 from nsa_flex.blocks import sort_block_indices
 from nsa_flex.config import PRESETS
-from nsa_flex.decode import decode_attention
+from nsa_flex.decoding.step import decode_attention
 from nsa_flex.ops import decode_attend, decode_attend_torch
-from nsa_flex.ops.decode_attend import cmp_attention, sel_win_attention
+from nsa_flex.ops.decode.attend import cmp_attention, sel_win_attention
 
 STEPS = 20
 """Steps captured in one CUDA graph (the cache has room for them past T)."""

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
-from nsa_flex.decode import _step_tensors
-from nsa_flex.ops import cache_step, decode_attend, decode_triton
+from nsa_flex.decoding.step import _step_tensors
+from nsa_flex.ops import cache_step, decode_attend
+from nsa_flex.ops.decode import kernels as decode_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_tiles_gpu import parse_tiles  # noqa: E402

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/decode_tiles_gpu.py --out $OUT/decode_tiles.json [--cases 1:65536 8:65536]
 
 For each case B:T (the bench shape of decode_kernel_gpu.Problem) and each variant (overrides
-of nsa_flex.ops.decode_triton.launch_config): GPU us per op call from a CUDA graph of 20 calls,
+of nsa_flex.ops.decode.kernels.launch_config): GPU us per op call from a CUDA graph of 20 calls,
 each of the four kernels' own us (torch.profiler, no graph), and the output's largest
 difference from the default variant's (the tiles change only the order of fp32 sums).
 JSON is rewritten after every variant.
@@ -24,7 +24,7 @@ from decode_kernel_gpu import Problem, time_graph  # noqa: E402
 from records import json_saver  # noqa: E402
 
 from nsa_flex.bench.decode import kernel_profile  # noqa: E402
-from nsa_flex.ops.decode_triton import decode_attend_triton, launch_config  # noqa: E402
+from nsa_flex.ops.decode.kernels import decode_attend_triton, launch_config  # noqa: E402
 
 
 def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:

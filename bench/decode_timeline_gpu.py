@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
-from nsa_flex.decode import _step_tensors
-from nsa_flex.ops.cache_step import _cache_step_triton, phi_chunk_tokens, phi_rows
-from nsa_flex.ops.decode_attend import _prepare
-from nsa_flex.ops.decode_triton import decode_attend_triton, launch_config, launch_grids
-from nsa_flex.ops.phi_step import phi_params
+from nsa_flex.decoding.step import _step_tensors
+from nsa_flex.ops.decode.cache_step import _cache_step_triton, phi_chunk_tokens, phi_rows
+from nsa_flex.ops.decode.attend import _prepare
+from nsa_flex.ops.decode.kernels import decode_attend_triton, launch_config, launch_grids
+from nsa_flex.ops.decode.phi_step import phi_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_tiles_gpu import parse_tiles  # noqa: E402

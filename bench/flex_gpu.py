@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.blocks import num_cmp_blocks  # noqa: E402
 from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
-from nsa_flex.masks import selection_block_mask  # noqa: E402
+from nsa_flex.flex.masks import selection_block_mask  # noqa: E402
 from nsa_flex.ops import select_blocks  # noqa: E402
 from nsa_flex.reference import nsa_reference  # noqa: E402
-from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
 
 START = time.monotonic()
 

@@ -34,7 +34,7 @@ from records import json_saver  # noqa: E402
 
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.flex import nsa_flex  # noqa: E402
-from nsa_flex.tuning import install_flex_tuning  # noqa: E402
+from nsa_flex.flex.tuning import install_flex_tuning  # noqa: E402
 
 _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
 

@@ -85,13 +85,13 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
     """The rows of one step's kernels at B sequences of T cached tokens (the bench's shape and slack)."""
     from nsa_flex.bench.decode import SLACK, random_step_inputs
     from nsa_flex.config import PRESETS
-    from nsa_flex.decode import _step_tensors
-    from nsa_flex.ops.decode_attend import _prepare
-    from nsa_flex.ops.phi_step import phi_params
+    from nsa_flex.decoding.step import _step_tensors
+    from nsa_flex.ops.decode.attend import _prepare
+    from nsa_flex.ops.decode.phi_step import phi_params
 
     # The modules, not nsa_flex.ops's functions of the same names: their wrap_triton is swapped below.
-    cs = importlib.import_module("nsa_flex.ops.cache_step")
-    dt = importlib.import_module("nsa_flex.ops.decode_triton")
+    cs = importlib.import_module("nsa_flex.ops.decode.cache_step")
+    dt = importlib.import_module("nsa_flex.ops.decode.kernels")
     n = PRESETS["bench"]
     cache, pr, gates, phi_k, phi_v = random_step_inputs(n, B, T + SLACK, torch.bfloat16, "cpu")
     cache.lengths.fill_(T)

@@ -1,7 +1,7 @@
 """Where a training step's memory and time go: the NSA LM against the same LM with dense attention.
 
 For each (attention, T, B), a fresh seeds-125m model with compiled blocks, bf16 autocast, the
-compiled loss (as nsa_flex.train runs it, without the optimizer):
+compiled loss (as nsa_flex.training.train runs it, without the optimizer):
   saved      every tensor the blocks save for the backward, from saved_tensors_hooks during one
              forward (after a warm-up step compiled everything), deduplicated by storage, per
              block: shape, dtype, MiB; and the allocated bytes each block's forward adds.
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from bench.flex_gpu import header  # noqa: E402
 from bench.records import json_saver  # noqa: E402
 from nsa_flex.model import MODEL_PRESETS, NSALM  # noqa: E402
-from nsa_flex.train import _compiled_lm_loss  # noqa: E402
+from nsa_flex.training.train import _compiled_lm_loss  # noqa: E402
 from nsa_flex.training.parallel import compile_blocks  # noqa: E402
 
 MIB = 2**20

@@ -29,7 +29,7 @@ from select_checks import assert_same_selection, importance_scores, importance_t
 from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks  # noqa: E402
 from nsa_flex.config import NSAConfig  # noqa: E402
 from nsa_flex.ops import select_blocks, select_blocks_torch  # noqa: E402
-from nsa_flex.ops import select_triton  # noqa: E402
+from nsa_flex.ops.select import kernels as select_triton  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -31,8 +31,8 @@ from host_profile_gpu import make_inputs, parse_shape  # noqa: E402
 from records import row_recorder, shape_script_parser  # noqa: E402
 
 from nsa_flex.flex import _call, _flex_sel, fold, nsa_flex, with_initial_copies  # noqa: E402
-from nsa_flex.masks.selection import initial_copies, selection_block_mask  # noqa: E402
-from nsa_flex.tuning import FlexTiles  # noqa: E402
+from nsa_flex.flex.masks.selection import initial_copies, selection_block_mask  # noqa: E402
+from nsa_flex.flex.tuning import FlexTiles  # noqa: E402
 
 ROWS = 16
 

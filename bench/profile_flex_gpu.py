@@ -33,11 +33,11 @@ from limited import run_limited  # noqa: E402
 
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
-from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask  # noqa: E402
-from nsa_flex.masks.compressed import compressed_mask_mod  # noqa: E402
+from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, window_block_mask  # noqa: E402
+from nsa_flex.flex.masks.compressed import compressed_mask_mod  # noqa: E402
 from nsa_flex.ops import select_blocks  # noqa: E402
-from nsa_flex.ops.blockmask import grid_to_ordered, make_block_mask  # noqa: E402
-from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from nsa_flex.flex.blockmask import grid_to_ordered, make_block_mask  # noqa: E402
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
@@ -276,7 +276,7 @@ def part_profile(cfg: NSAConfig, T: int) -> dict:
 def part_compile(T: int, timeout_s: float) -> dict:
     code = (
         "import time, torch, sys; sys.path.insert(0, '.');"
-        "from nsa_flex import NSAConfig; from nsa_flex.flex import nsa_flex; from nsa_flex.tuning import install_flex_tuning;"
+        "from nsa_flex import NSAConfig; from nsa_flex.flex import nsa_flex; from nsa_flex.flex.tuning import install_flex_tuning;"
         "sys.path.insert(0, 'bench'); from flex_gpu import inputs; install_flex_tuning();"
         f"cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128); x = inputs(cfg, {T});"
         "op = torch.compile(lambda **x: nsa_flex(**x, config=cfg)[0], fullgraph=True, dynamic=False);"

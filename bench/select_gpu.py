@@ -28,7 +28,8 @@ from records import json_saver  # noqa: E402
 from select_checks import assert_same_selection  # noqa: E402  (ops_select_gpu puts tests/ on the path)
 
 from nsa_flex.config import NSAConfig  # noqa: E402
-from nsa_flex.ops import select_blocks_torch, select_triton  # noqa: E402
+from nsa_flex.ops import select_blocks_torch
+from nsa_flex.ops.select import kernels as select_triton  # noqa: E402
 
 DEFAULT = {}
 BT16_W8 = {"BT": 16, "num_warps": 8, "num_stages": 3}

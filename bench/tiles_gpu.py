@@ -32,7 +32,7 @@ from host_profile_gpu import kernel_table, make_inputs, parse_shape  # noqa: E40
 from records import row_recorder, shape_script_parser  # noqa: E402
 
 from nsa_flex.flex import nsa_flex  # noqa: E402
-from nsa_flex.tuning import FlexTiles  # noqa: E402
+from nsa_flex.flex.tuning import FlexTiles  # noqa: E402
 
 START = time.monotonic()
 def measure(fn, x: dict, grad_out) -> dict:

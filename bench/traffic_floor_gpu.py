@@ -35,7 +35,7 @@ from host_profile_gpu import make_inputs, parse_shape  # noqa: E402
 from records import row_recorder, shape_script_parser  # noqa: E402
 
 from nsa_flex.flex import fold, nsa_flex, selected_branch  # noqa: E402
-from nsa_flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
 
 
 @triton.jit

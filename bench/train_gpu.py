@@ -3,13 +3,13 @@
 Modes (--mode; "all" runs them in this order):
   throughput  S=2048 (B=16), 8192 (B=4), 32768 (B=1) for each attention: warm-up steps, then
               timed steps; tokens/s (median step), compile time (first step) apart, peak memory
-              (torch.cuda.max_memory_allocated) against nsa_flex.memory.estimate, and dense
+              (torch.cuda.max_memory_allocated) against nsa_flex.training.memory.estimate, and dense
               against ANCHORS.md's dense figures.
   precision   N steps in bf16 and N in fp16 + GradScaler (NSA flex, S=2048, B=16): non-finite
               (skipped) steps, GradScaler skips, final loss and scale.
   curve       NSA vs dense on the same synthetic kv data: the loss of every step, and a PNG.
 
-Every configuration runs through nsa_flex.train.train (compiled blocks, bf16 autocast, fused
+Every configuration runs through nsa_flex.training.train.train (compiled blocks, bf16 autocast, fused
 AdamW) inside try/except: a failure is recorded with its traceback and the rest go on.
 Results are rewritten after every configuration to OUT/train_gpu_<mode>.json and .md, so a
 run cut short still leaves what it measured. Configurations that would start after
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from nsa_flex.bench.model import ANCHOR_DENSE_TOKENS_PER_S, CUDA_SHAPES, train_settings  # noqa: E402
-from nsa_flex.memory import GIB, estimate  # noqa: E402
-from nsa_flex.train import train  # noqa: E402
+from nsa_flex.training.memory import GIB, estimate  # noqa: E402
+from nsa_flex.training.train import train  # noqa: E402
 from nsa_flex.training.config import build_config  # noqa: E402
 from nsa_flex.training.metrics import read_metrics, versions  # noqa: E402
 

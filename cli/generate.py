@@ -28,8 +28,8 @@ def generate(
     """Prefill the prompts in one batch, decode token by token, print the text and tokens/s."""
     import torch
 
-    from nsa_flex.generate import SamplingConfig
-    from nsa_flex.generate import generate as run_generate
+    from nsa_flex.decoding.generate import SamplingConfig
+    from nsa_flex.decoding.generate import generate as run_generate
 
     dev = _choose(device, "--device", {"auto": "cuda" if torch.cuda.is_available() else "cpu", "cpu": "cpu",
                                        "cuda": "cuda"})
@@ -61,7 +61,7 @@ def generate(
 
 def _model(checkpoint: str | None, preset: str, dev: str, dt, seed: int, need_tokenizer: bool):
     """(model, tokenizer or None, description): a checkpoint's model, else a random one of `preset`."""
-    from nsa_flex.data import DataError
+    from nsa_flex.training.data import DataError
     from nsa_flex.model import MODEL_PRESETS, NSALM
     from nsa_flex.training.checkpoint import CheckpointError
     from nsa_flex.training.tokens import load_tokenizer
@@ -73,7 +73,7 @@ def _model(checkpoint: str | None, preset: str, dev: str, dt, seed: int, need_to
         model, spec = NSALM(MODEL_PRESETS[preset], device=dev).to(dt).eval(), "byte"
         source = f"random {preset} model (seed {seed})"
     else:
-        from nsa_flex.generate import find_checkpoint, load_model
+        from nsa_flex.decoding.generate import find_checkpoint, load_model
 
         try:
             path = find_checkpoint(checkpoint)

@@ -1,4 +1,4 @@
-"""`nsa-flex memory`: estimated peak training memory of a configuration (nsa_flex.memory)."""
+"""`nsa-flex memory`: estimated peak training memory of a configuration (nsa_flex.training.memory)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def memory(
     world_size: int = typer.Option(1, min=1, help="Ranks (FSDP2 shards by this)."),
 ) -> None:
     """Estimate the peak memory of training a configuration, part by part."""
-    from nsa_flex.memory import count_params, estimate, format_table
+    from nsa_flex.training.memory import count_params, estimate, format_table
     from nsa_flex.training.config import ConfigError, build_config, load_config_file
 
     flags = {k: v for k, v in (("preset", preset), ("seq_len", seq_len), ("batch_size", batch_size)) if v is not None}

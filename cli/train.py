@@ -1,4 +1,4 @@
-"""`nsa-flex train`: flags (and an optional TOML/YAML file) -> TrainConfig -> nsa_flex.train.train().
+"""`nsa-flex train`: flags (and an optional TOML/YAML file) -> TrainConfig -> nsa_flex.training.train.train().
 
 Only flags that are given override the file; the file overrides the preset. Under torchrun
 (`torchrun --nproc_per_node N -m nsa_flex_cli.main train ...`) every rank runs this command
@@ -60,9 +60,9 @@ def train(
     """Train the NSA (or dense) language model; prints the config and versions, then a progress bar."""
     # Exactly the flags that were given (None = not given), before any other local exists.
     flags = {name: value for name, value in locals().items() if value is not None and name != "config"}
-    from nsa_flex.data import DataError
-    from nsa_flex.train import NonFiniteLossError
-    from nsa_flex.train import train as run_train
+    from nsa_flex.training.data import DataError
+    from nsa_flex.training.train import NonFiniteLossError
+    from nsa_flex.training.train import train as run_train
     from nsa_flex.training.checkpoint import CheckpointError
     from nsa_flex.training.config import ConfigError, build_config, load_config_file
 

@@ -12,7 +12,7 @@ by phi from the *un-rotated* keys: phi has its own intra-block position encoding
 compressed token stands for 32 positions at once, so a single rotation angle would be
 arbitrary. Positional information therefore reaches the compressed branch only through the
 queries' rotation and phi's intra-block encoding; selection is content-based. The decode
-cache (nsa_flex.cache) keeps rotated keys for sel/win and un-rotated ones for phi, to match.
+cache (nsa_flex.decoding.cache) keeps rotated keys for sel/win and un-rotated ones for phi, to match.
 
 Shapes: B batch, T tokens, C model dim, V vocabulary, Hq/Hkv heads, Dk/Dv head dims.
 """

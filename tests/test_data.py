@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from nsa_flex.data import DataError, ShardedBatches, SyntheticTask, TokenFile
+from nsa_flex.training.data import DataError, ShardedBatches, SyntheticTask, TokenFile
 from nsa_flex.model import IGNORE_INDEX
 from nsa_flex.training.tokens import build_token_file, cached_token_file, load_tokenizer, open_source
 

@@ -17,12 +17,12 @@ from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.bench.decode import check_decode, decode_config, decode_notes, decode_summary, run_decode
 from nsa_flex.bench.report import write_report
 from nsa_flex.blocks import cmp_block_last_token, cmp_to_sel_weights, num_cmp_blocks, sort_block_indices
-from nsa_flex.cache import NSACache
-from nsa_flex.decode import decode_step, fold_to_sel_blocks, full_forward, prefill, project, select_blocks_one
-from nsa_flex.generate import Generator, SamplingConfig, generate, load_model, pad_prompts, sample
+from nsa_flex.decoding.cache import NSACache
+from nsa_flex.decoding.step import decode_step, fold_to_sel_blocks, full_forward, prefill, project, select_blocks_one
+from nsa_flex.decoding.generate import Generator, SamplingConfig, generate, load_model, pad_prompts, sample
 from nsa_flex.model import MODEL_PRESETS, NSALM, Rotary, apply_rotary
 from nsa_flex.reference import select_blocks
-from nsa_flex.train import train
+from nsa_flex.training.train import train
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import build_config
 from nsa_flex_cli.main import app

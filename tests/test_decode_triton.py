@@ -22,11 +22,12 @@ import torch
 from select_checks import assert_same_selection, importance_tolerance
 
 from nsa_flex.blocks import forced_and_valid, num_cmp_blocks, num_sel_blocks, sort_block_indices
-from nsa_flex.cache import NSACache
+from nsa_flex.decoding.cache import NSACache
 from nsa_flex.config import NSAConfig
-from nsa_flex.decode import Projected, decode_attention
-from nsa_flex.ops import decode_attend, decode_attend_torch, decode_triton
-from nsa_flex.ops.decode_attend import cmp_attention, fold_to_sel_blocks, sel_win_attention
+from nsa_flex.decoding.step import Projected, decode_attention
+from nsa_flex.ops import decode_attend, decode_attend_torch
+from nsa_flex.ops.decode import kernels as decode_triton
+from nsa_flex.ops.decode.attend import cmp_attention, fold_to_sel_blocks, sel_win_attention
 
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
@@ -546,7 +547,7 @@ def _phi_case(dtype, B=5, Hkv=2, l=32, d=16, D=32, T_max=8, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_phi_step_twin_writes_completed_blocks_only(dtype):
     """The twin: phi of the block in token order where a block completes, every other entry untouched."""
-    from nsa_flex.ops.phi_step import phi_step
+    from nsa_flex.ops.decode.phi_step import phi_step
 
     cfg, phi, tail, cmp, pos = _phi_case(dtype)
     l, d = cfg.cmp_block, cfg.cmp_stride
@@ -576,7 +577,7 @@ def test_phi_step_twin_writes_completed_blocks_only(dtype):
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_phi_step_kernel_equals_twin(dtype):
-    from nsa_flex.ops.phi_step import _phi_step_torch, _phi_step_triton
+    from nsa_flex.ops.decode.phi_step import _phi_step_torch, _phi_step_triton
 
     cfg, phi, tail, cmp, pos = _phi_case(dtype)
     lin1, _, lin2 = phi.mlp
@@ -593,7 +594,7 @@ def test_phi_step_kernel_equals_twin(dtype):
 
 @gpu
 def test_phi_step_kernel_on_gpu_equals_twin():
-    from nsa_flex.ops.phi_step import _phi_step_torch, phi_step
+    from nsa_flex.ops.decode.phi_step import _phi_step_torch, phi_step
 
     for dtype in (torch.float32, torch.bfloat16):
         cfg, phi, tail, cmp, pos = _phi_case(dtype, D=128)
@@ -626,7 +627,7 @@ def test_phi_step_opcheck():
 
 def test_phi_step_refuses_another_phi():
     """phi_step runs phi's layers itself, so a phi of another shape gets a clear error, not a wrong result."""
-    from nsa_flex.ops.phi_step import phi_step
+    from nsa_flex.ops.decode.phi_step import phi_step
 
     cfg, phi, tail, cmp, pos = _phi_case(torch.float32)
     phi.mlp[1] = torch.nn.GELU(approximate="tanh")
@@ -690,8 +691,8 @@ def _check_cache_step(dtype, separate: bool, device: str, count: bool = True, B:
     phi_tokens and rows) against the twin (the op's body on the CPU): every write exact, each
     completed entry within a rounding of phi, nothing else touched. count: with the cache's
     phi_count (back to 0 after), else one of the kernel's own."""
-    from nsa_flex.ops.cache_step import _cache_step_impl, _cache_step_triton
-    from nsa_flex.ops.phi_step import phi_params
+    from nsa_flex.ops.decode.cache_step import _cache_step_impl, _cache_step_triton
+    from nsa_flex.ops.decode.phi_step import phi_params
 
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(dtype, separate, device, D=32 if device == "cpu" else 128,
                                                              B=B)
@@ -762,7 +763,7 @@ def test_cache_step_kernel_on_gpu_equals_twin(separate):
 @pytest.mark.parametrize("separate", [False, True], ids=["shared-kv", "separate-kv"])
 def test_cache_step_opcheck(separate):
     """nsa_flex::cache_step's registration: schema (the caches mutated, window ones optional), fake kernel."""
-    from nsa_flex.ops.phi_step import phi_params
+    from nsa_flex.ops.decode.phi_step import phi_params
 
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, separate)
     params = [p.detach() if p is not None else None for p in (*phi_params(phi_k), *phi_params(phi_v))]
@@ -815,7 +816,7 @@ def test_step_attend_equals_cache_step_then_decode_attend(separate):
 
 def test_step_attend_opcheck():
     """nsa_flex::step_attend's registration: schema (caches and pos mutated), fake kernel."""
-    from nsa_flex.ops.phi_step import phi_params
+    from nsa_flex.ops.decode.phi_step import phi_params
 
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(torch.float32, True)
     tokens, caches, pos, phi_k, phi_v, q, gates = _step_attend_args(cfg, cache, tokens, pos, phi_k, phi_v, True)

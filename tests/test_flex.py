@@ -18,7 +18,7 @@ from nsa_flex import NSAConfig, nsa_attention
 from nsa_flex.blocks import num_cmp_blocks
 from nsa_flex.compression import compressed_seqlens
 from nsa_flex.flex import nsa_flex
-from nsa_flex.masks import (
+from nsa_flex.flex.masks import (
     compressed_block_mask,
     compressed_mask_mod,
     selection_bits,
@@ -28,11 +28,11 @@ from nsa_flex.masks import (
     window_widths,
     window_mask_mod,
 )
-from nsa_flex.masks.documents import documents
-from nsa_flex.masks.selection import tokens_per_tile
-from nsa_flex.ops.blockmask import transpose_blocks
+from nsa_flex.flex.masks.documents import documents
+from nsa_flex.flex.masks.selection import tokens_per_tile
+from nsa_flex.flex.blockmask import transpose_blocks
 from nsa_flex.reference import _selection_mask, nsa_reference, nsa_reference_varlen
-from nsa_flex.tuning import FlexTiles
+from nsa_flex.flex.tuning import FlexTiles
 from naive import random_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -257,7 +257,7 @@ def test_selection_block_mask(T, G, q_block, sel_block):
 ])
 def test_selection_block_mask_with_initial_copies(T, G, q_block, tokens, n_initial):
     """Copies of the initial keys: token t sees them only through copy t // tokens, blocks listed exactly."""
-    from nsa_flex.masks.selection import initial_copies
+    from nsa_flex.flex.masks.selection import initial_copies
 
     L = 32
     cfg = small_config(G, 16, 16, 2, n_selected=5, sel_block=L, n_initial=n_initial)
@@ -292,7 +292,7 @@ def test_selection_block_mask_with_initial_copies(T, G, q_block, tokens, n_initi
 
 def test_selection_lists_trace_as_one_graph():
     """What CUDA compiles (selection_lists): one Dynamo graph, no break, the same tensors as eager."""
-    from nsa_flex.masks.selection import initial_copies, selection_lists
+    from nsa_flex.flex.masks.selection import initial_copies, selection_lists
 
     cfg = small_config(4, 16, 16, 2, n_selected=5, sel_block=32)
     T = 300
@@ -307,7 +307,7 @@ def test_selection_lists_trace_as_one_graph():
 
 
 def test_initial_copies_only_where_they_split_the_work():
-    from nsa_flex.masks.selection import initial_copies
+    from nsa_flex.flex.masks.selection import initial_copies
 
     cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128)
     assert initial_copies(2048, 16, cfg, 16, 2048) is None
@@ -357,7 +357,7 @@ def test_whole_op_with_initial_copies_equals_reference(T, G, Hkv, full_blocks):
 def test_selection_mask_without_full_lists_lists_the_same_blocks(copies):
     """full_blocks=False: no full lists, and the partial lists hold exactly the default's partial
     and full blocks, both ways."""
-    from nsa_flex.masks.selection import initial_copies
+    from nsa_flex.flex.masks.selection import initial_copies
 
     T, G = 700, 4
     cfg = small_config(G, 32, 16, 2, n_initial=1, n_local=1, sel_block=32)
@@ -494,7 +494,7 @@ def test_documents_block_masks():
 
 
 def test_sel_block_must_suit_the_gpu_kernel():
-    from nsa_flex.tuning import branch_kernel_options
+    from nsa_flex.flex.tuning import branch_kernel_options
 
     with pytest.raises(ValueError, match="sel_block=48: impl='flex' on CUDA needs a power of two >= 16"):
         branch_kernel_options("sel", 128, torch.bfloat16, q_block=16, kv_block=48)
@@ -506,8 +506,8 @@ def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
     """Process-global and idempotent; restored after the test."""
     import torch._inductor.config as inductor_config
 
-    from nsa_flex import tuning
-    from nsa_flex._inductor_choices import NSAFlexChoices
+    from nsa_flex.flex import tuning
+    from nsa_flex.flex.inductor_choices import NSAFlexChoices
 
     monkeypatch.setattr(tuning, "_INSTALLED", False)
     monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
@@ -525,7 +525,7 @@ def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
     (1000, 128, 16, 1, 1), (1024, 128, 16, 256, 4), (3 * 1024, 128, 16, 128, 8), (1024, 128, 1, 1, 1),
 ])
 def test_query_chunks(rows, q_block, max_chunks, min_rows, expected):
-    from nsa_flex.ops.blockmask import query_chunks
+    from nsa_flex.flex.blockmask import query_chunks
 
     S = query_chunks(rows, q_block, max_chunks, min_rows)
     assert S == expected
@@ -597,7 +597,7 @@ def test_given_selection_is_not_split():
 
 
 def test_shape_masks_are_built_once_per_shape_in_eager_mode():
-    from nsa_flex import flex as flex_mod
+    from nsa_flex.flex import branches as flex_mod
 
     calls = []
 

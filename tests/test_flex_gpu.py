@@ -15,7 +15,7 @@ import torch
 from nsa_flex import NSAConfig
 from nsa_flex.flex import nsa_flex
 from nsa_flex.reference import nsa_reference, nsa_reference_varlen
-from nsa_flex.tuning import FlexTiles, install_flex_tuning
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
 from naive import random_inputs
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""nsa_flex.memory: the exact parts (params, grads, optimizer) against a real model and AdamW (CPU).
+"""nsa_flex.training.memory: the exact parts (params, grads, optimizer) against a real model and AdamW (CPU).
 
 Activation and mask terms are estimates; bench/train_gpu.py checks the total against
 torch.cuda.max_memory_allocated on the GPU.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nsa_flex.memory import count_params, estimate, persistent_bytes
+from nsa_flex.training.memory import count_params, estimate, persistent_bytes
 from nsa_flex.model import MODEL_PRESETS, NSALM
 from nsa_flex.training.optim import build_optimizer
 

@@ -17,7 +17,7 @@ import torch
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.model import MODEL_PRESETS, NSALM
 from nsa_flex.training.parallel import compile_blocks
-from nsa_flex.tuning import install_flex_tuning
+from nsa_flex.flex.tuning import install_flex_tuning
 
 pytestmark = pytest.mark.gpu
 

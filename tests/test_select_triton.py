@@ -23,7 +23,8 @@ from test_ops_select import make_config, make_inputs, reference_selection, selec
 from nsa_flex.blocks import num_cmp_blocks
 from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops import select_blocks_torch, select_triton
+from nsa_flex.ops import select_blocks_torch
+from nsa_flex.ops.select import kernels as select_triton
 
 
 def _interpreting() -> bool:

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from nsa_flex.train import NonFiniteLossError, TrainHooks, train
+from nsa_flex.training.train import NonFiniteLossError, TrainHooks, train
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import ConfigError, build_config
 from nsa_flex.training.metrics import read_metrics
@@ -63,7 +63,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     out = tmp_path / "killed"
     proc = run_script(f"""
         import os, signal
-        from nsa_flex.train import TrainHooks, train
+        from nsa_flex.training.train import TrainHooks, train
         from nsa_flex.training.config import build_config
         cfg = build_config({{}}, dict(steps=6, seq_len=64, batch_size=4, warmup_steps=2, out_dir={str(out)!r},
                                       tensorboard=False, checkpoint_every=2, keep_checkpoints=5))
@@ -93,7 +93,7 @@ def test_resume_auto_and_nothing_left(tmp_path):
 def test_watchdog_fires_on_injected_stall(tmp_path):
     proc = run_script(f"""
         import time
-        from nsa_flex.train import TrainHooks, train
+        from nsa_flex.training.train import TrainHooks, train
         from nsa_flex.training.config import build_config
         cfg = build_config({{}}, dict(steps=5, seq_len=32, batch_size=2, out_dir={str(tmp_path / 'stall')!r},
                                       tensorboard=False, stall_timeout=2.0, first_step_timeout=60.0))

@@ -14,14 +14,14 @@ import textwrap
 
 import pytest
 
-from nsa_flex.train import train
+from nsa_flex.training.train import train
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import build_config
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch.distributed as dist
-    from nsa_flex.train import train
+    from nsa_flex.training.train import train
     from nsa_flex.training.config import build_config
     parallel, out = sys.argv[1], sys.argv[2]
     # One process group for both runs: train() uses a group it finds (re-creating one in the

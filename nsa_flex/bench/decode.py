@@ -30,10 +30,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nsa_flex.attention import NSAAttention
 from nsa_flex.bench.core import Progress, Row, Suite, add_speedups, describe_error, free_memory, register_suite
 from nsa_flex.blocks import sort_block_indices
-from nsa_flex.cache import NSACache
+from nsa_flex.decoding.cache import NSACache
 from nsa_flex.compression import Compressor
 from nsa_flex.config import PRESETS, NSAConfig
-from nsa_flex.decode import Projected, decode_attention, decode_step, full_forward, prefill
+from nsa_flex.decoding.step import Projected, decode_attention, decode_step, full_forward, prefill
 from nsa_flex.model import Rotary, apply_rotary
 
 DEVICES = ("cuda", "cpu")

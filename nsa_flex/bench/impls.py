@@ -19,7 +19,7 @@ from nsa_flex import flex
 from nsa_flex.attention import NSAAttention, nsa_attention
 from nsa_flex.bench.flops import dense_causal_flops, nsa_flops
 from nsa_flex.blocks import num_cmp_blocks
-from nsa_flex.tuning import FlexTiles
+from nsa_flex.flex.tuning import FlexTiles
 
 LONG_SEQ_TILES = FlexTiles(sel_q_block=16, split_initial=True, initial_copy_tokens=512)
 """The tiles nsa_flex takes past FlexTiles' short-sequence threshold, forced, with initial-key copies
@@ -127,7 +127,7 @@ def dense_fwd_flops(cfg, T: int) -> float:
 @functools.cache
 def _compiled_nsa_attention():
     """nsa_attention as one graph, compiled once for the process (each new T specialises once)."""
-    from nsa_flex import tuning
+    from nsa_flex.flex import tuning
 
     # The selected branch's backward needs the tile choices installed before compiling.
     tuning.install_flex_tuning()

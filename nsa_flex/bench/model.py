@@ -1,11 +1,11 @@
 """The model suite: whole-model training steps of the NSA LM against the same LM with dense attention.
 
 For each attention (nsa, dense) and each (T, B): a fresh model from the preset, trained for
-`warmup + steps` steps by `nsa_flex.train.train` itself (the step `nsa-flex train` runs: forward
+`warmup + steps` steps by `nsa_flex.training.train.train` itself (the step `nsa-flex train` runs: forward
 under autocast, fp32 loss, backward, clip, fused AdamW, schedule; CUDA: each block compiled),
 on the synthetic kv task. The first step (compilation) is reported apart; rows give the median
 of the timed steps, tokens/s from it, the peak allocated CUDA memory next to
-`nsa_flex.memory.estimate`, and the speedup of NSA over dense at the same (T, B). A
+`nsa_flex.training.memory.estimate`, and the speedup of NSA over dense at the same (T, B). A
 configuration that fails (OOM above all) becomes an error row and the sweep goes on.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from nsa_flex.bench.core import Progress, Row, Suite, add_speedups, describe_error, free_memory, register_suite
-from nsa_flex.memory import estimate
+from nsa_flex.training.memory import estimate
 from nsa_flex.model import ATTENTIONS, MODEL_PRESETS
-from nsa_flex.train import train
+from nsa_flex.training.train import train
 from nsa_flex.training.config import build_config
 
 DEVICES = ("cuda", "cpu")
@@ -123,12 +123,12 @@ def model_summary(cfg: ModelBenchConfig) -> str:
 
 def model_notes(cfg: ModelBenchConfig) -> list[str]:
     notes = [
-        "mode B=b: b sequences of T tokens per step. One step = nsa_flex.train's step: batch from the synthetic "
+        "mode B=b: b sequences of T tokens per step. One step = nsa_flex.training.train's step: batch from the synthetic "
         "kv task, forward under autocast, fp32 cross-entropy, backward, grad clip, AdamW (fused on CUDA), LR "
         "schedule; one host sync per step.",
         f"median ms: host time of one step, median of {cfg.steps} timed steps after {cfg.warmup} warm-up steps; "
         "first call ms: the first step alone (compilation included).",
-        "note: tokens/s = B*T / median step; est = nsa_flex.memory.estimate of the peak (params, grads, AdamW, "
+        "note: tokens/s = B*T / median step; est = nsa_flex.training.memory.estimate of the peak (params, grads, AdamW, "
         "activations, masks, logits); extra.peak_over_estimate = measured / estimate.",
         "speedup: dense median / nsa median at the same T and B, i.e. the ratio of tokens/s.",
         "check: every loss of the run was finite.",

@@ -1,12 +1,16 @@
-"""Custom ops (Triton on CUDA, a torch twin elsewhere): the streaming top-n block selection and
-the fused attention of one decode token, phi for one decode step, and the cache update of one
-decode step (token writes and phi in one launch), and the two together as one decode step."""
+"""Custom ops, one folder each: the registration and its torch twin beside the Triton kernels.
 
-from nsa_flex.ops.cache_step import cache_step
-from nsa_flex.ops.decode_attend import decode_attend, decode_attend_torch
-from nsa_flex.ops.phi_step import phi_step
-from nsa_flex.ops.select import select_blocks, select_blocks_torch
-from nsa_flex.ops.step_attend import step_attend
+- `select/`: nsa_flex::select_blocks, the streaming top-n block selection of a whole sequence.
+- `decode/`: one decode step: the cache update (cache_step, with phi_step for completed blocks)
+  and the fused attention of one token (decode_attend), both in one op (step_attend).
+- `triton_utils`: Triton helpers shared by several ops.
+"""
+
+from nsa_flex.ops.decode.attend import decode_attend, decode_attend_torch
+from nsa_flex.ops.decode.cache_step import cache_step
+from nsa_flex.ops.decode.phi_step import phi_step
+from nsa_flex.ops.decode.step_attend import step_attend
+from nsa_flex.ops.select.op import select_blocks, select_blocks_torch
 
 __all__ = ["cache_step", "decode_attend", "decode_attend_torch", "phi_step", "select_blocks", "select_blocks_torch",
            "step_attend"]

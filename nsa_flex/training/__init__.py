@@ -1,2 +1,2 @@
-"""The parts of `nsa_flex.train.train()`: settings, checkpoints, parallelism, optimizer, metrics,
+"""The parts of `nsa_flex.training.train.train()`: settings, checkpoints, parallelism, optimizer, metrics,
 watchdog and text tokenisation. Each is small; `train()` calls them in a fixed order."""

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-log = logging.getLogger("nsa_flex.train")
+log = logging.getLogger("nsa_flex.training.train")
 
 
 class TrainCallback(Protocol):

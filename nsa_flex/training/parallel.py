@@ -81,9 +81,9 @@ def compile_blocks(model: nn.Module) -> None:
     """Compile each block once, fullgraph, in place (parameter names are unchanged)."""
     if model.config.attention == "nsa" and model.config.impl == "flex":
         # The flex backward needs Inductor's tile workaround before anything compiles (see
-        # nsa_flex.tuning); importing nsa_flex.flex here keeps imports out of the traced code.
+        # nsa_flex.flex.tuning); importing nsa_flex.flex here keeps imports out of the traced code.
         import nsa_flex.flex  # noqa: F401
-        from nsa_flex.tuning import install_flex_tuning
+        from nsa_flex.flex.tuning import install_flex_tuning
 
         install_flex_tuning()
     for block in model.layers:

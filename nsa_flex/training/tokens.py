@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from nsa_flex.data import SYNTHETIC_TASKS, TOKEN_FILE_FORMAT, DataError, SyntheticTask, TokenFile
+from nsa_flex.training.data import SYNTHETIC_TASKS, TOKEN_FILE_FORMAT, DataError, SyntheticTask, TokenFile
 
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")

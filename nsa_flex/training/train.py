@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from nsa_flex.data import ShardedBatches
+from nsa_flex.training.data import ShardedBatches
 from nsa_flex.model import NSALM, lm_loss
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training import parallel as par

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_flex.masks.documents import Documents
-from nsa_flex.ops.blockmask import interval_block_mask
+from nsa_flex.flex.masks.documents import Documents
+from nsa_flex.flex.blockmask import interval_block_mask
 
 
 def window_mask_mod(window: int, G: int = 1, docs: Documents | None = None):

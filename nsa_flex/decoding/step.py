@@ -21,11 +21,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from nsa_flex.attention import NSAAttention, nsa_attention
-from nsa_flex.cache import NSACache
+from nsa_flex.decoding.cache import NSACache
 from nsa_flex.ops import decode_attend_torch, phi_step, step_attend
-from nsa_flex.ops.cache_step import write_token_torch
+from nsa_flex.ops.decode.cache_step import write_token_torch
 # Re-exported: the selection rule of one decode query, now the op's torch twin.
-from nsa_flex.ops.decode_attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
+from nsa_flex.ops.decode.attend import fold_to_sel_blocks, select_blocks_one  # noqa: F401
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -11,8 +11,8 @@ completed) and the query of one token per sequence at positions pos [B], it runs
   each with its own softmax,
 - the gates: o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win (fp32).
 
-On CUDA with Triton the op runs four Triton launches (ops/decode_triton.py); elsewhere its torch
-twin below, the batched-ops decode of nsa_flex.decode. As for select_blocks, the choice is made
+On CUDA with Triton the op runs four Triton launches (ops/decode/kernels.py); elsewhere its torch
+twin below, the batched-ops decode of nsa_flex.decoding.step. As for select_blocks, the choice is made
 inside the op body (a register_kernel("cpu") fallback would be skipped under torch.compile).
 """
 
@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from nsa_flex.blocks import num_sel_blocks
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops import decode_triton
+from nsa_flex.ops.decode import kernels
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,12 +70,12 @@ def _decode_attend_impl(
 def run_decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: float, cmp_block: int, cmp_stride: int,
                       sel_block: int, n_selected: int, n_initial: int, n_local: int, window: int, advance: bool,
                       after_cache_step: bool = False) -> tuple[Tensor, Tensor]:
-    """The op's body; after_cache_step as decode_triton.decode_attend_triton's (nsa_flex::step_attend)."""
+    """The op's body; after_cache_step as kernels.decode_attend_triton's (nsa_flex::step_attend)."""
     # Only the geometry fields are read; head counts come from the tensors.
     config = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected,
                        n_initial=n_initial, n_local=n_local, window=window)
-    if q.device.type == "cuda" and decode_triton.HAS_TRITON:
-        return decode_triton.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config,
+    if q.device.type == "cuda" and kernels.HAS_TRITON:
+        return kernels.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config,
                                                   advance=advance, after_cache_step=after_cache_step)
     o, blocks = _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
     if advance:
@@ -86,7 +86,7 @@ def run_decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale: fl
 # pos is mutated only with advance=True; the schema has to say so either way. A custom_op,
 # opaque to Inductor, not a triton_op: Inductor launches a triton_op's kernels itself and drops
 # launch_pdl on the way, which cost the compiled step the ~3 us that PDL saves at B=1
-# (ops/decode_triton.py, _pdl_wait). Under a CUDA graph the op's Python runs only at capture.
+# (ops/decode/kernels.py, pdl_wait). Under a CUDA graph the op's Python runs only at capture.
 _decode_attend_op = custom_op("nsa_flex::decode_attend", mutates_args=("pos",))(_decode_attend_impl)
 
 

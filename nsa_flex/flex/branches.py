@@ -13,7 +13,7 @@ On CUDA each branch's flex call is a small function compiled once at module leve
 correctness, no backward: FlexAttention has none there) and the compressed branch's lse,
 which compiled CPU flex cannot return, comes from a small dense torch computation.
 
-Process-global: the first eager CUDA call installs `nsa_flex.tuning.install_flex_tuning()`;
+Process-global: the first eager CUDA call installs `nsa_flex.flex.tuning.install_flex_tuning()`;
 call it yourself before compiling code that uses nsa_flex.
 """
 
@@ -24,15 +24,15 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_mask, flex_attention
 
-from nsa_flex import tuning
+from nsa_flex.flex import tuning
 from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
-from nsa_flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
-from nsa_flex.masks.documents import Documents, documents
-from nsa_flex.masks.selection import InitialCopies, initial_copies
+from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
+from nsa_flex.flex.masks.documents import Documents, documents
+from nsa_flex.flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
-from nsa_flex.ops.blockmask import query_chunks
-from nsa_flex.tuning import FlexTiles
+from nsa_flex.flex.blockmask import query_chunks
+from nsa_flex.flex.tuning import FlexTiles
 
 
 # One function per Flex call, each compiled once here: separate code objects give each its
@@ -301,7 +301,7 @@ def _check_device(*tensors) -> None:
         if not torch.compiler.is_compiling():
             tuning.install_flex_tuning()
         elif not tuning.is_installed():
-            raise RuntimeError("nsa_flex on CUDA under torch.compile: call nsa_flex.tuning.install_flex_tuning() "
+            raise RuntimeError("nsa_flex on CUDA under torch.compile: call nsa_flex.flex.tuning.install_flex_tuning() "
                                "once before compiling (the selected branch's backward needs it)")
         return
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):

@@ -29,16 +29,17 @@ import torch
 from torch import Tensor, nn
 from torch.library import custom_op
 
-from nsa_flex.ops import decode_triton
-from nsa_flex.ops.phi_step import _DTYPES, _phi_step_torch, phi_chunk_tokens, phi_params
+from nsa_flex.ops import triton_utils
+from nsa_flex.ops.decode import kernels
+from nsa_flex.ops.decode.phi_step import _DTYPES, _phi_step_torch, phi_chunk_tokens, phi_params
 
-if decode_triton.HAS_TRITON:
+if kernels.HAS_TRITON:
     import triton
     import triton.language as tl
     from torch.library import wrap_triton
 
-    from nsa_flex.ops.decode_triton import _now, _pdl_wait, _trace
-    from nsa_flex.ops.phi_step import _phi_fresh
+    from nsa_flex.ops.triton_utils import global_time, pdl_wait, store_trace
+    from nsa_flex.ops.decode.phi_step import _phi_fresh
 
 
 def cache_step(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...], pos: Tensor, phi_k: nn.Module,
@@ -119,7 +120,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
     the next one start early (PDL), may still read it. Empty on the torch path."""
     caches = (k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp)
     widths = (k.shape[-1], v.shape[-1], w1_k.shape[0], w1_v.shape[0], w2_k.shape[0], w2_v.shape[0])
-    usable = (decode_triton.HAS_TRITON and k.device.type == "cuda" and w1_k.dtype in _DTYPES
+    usable = (kernels.HAS_TRITON and k.device.type == "cuda" and w1_k.dtype in _DTYPES
               and w1_v.dtype in _DTYPES and all(x is None or x.is_contiguous() for x in caches)
               and all(n >= 16 and n & (n - 1) == 0 for n in widths)
               and w2_k.shape[0] == k.shape[-1] and w2_v.shape[0] == v.shape[-1])
@@ -134,7 +135,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
 
 
 # A custom_op, opaque to Inductor, not a triton_op: Inductor launches a triton_op's kernels
-# itself and drops launch_pdl on the way (ops/decode_triton.py, _pdl_wait).
+# itself and drops launch_pdl on the way (ops/decode/kernels.py, pdl_wait).
 _cache_step_op = custom_op(
     "nsa_flex::cache_step",
     mutates_args=("k", "v", "k_win", "v_win", "k_tail", "v_tail", "k_cmp", "v_cmp", "phi_count"),
@@ -148,7 +149,7 @@ def _cache_step_fake(*args) -> None:
 
 def phi_rows(rows: int) -> int:
     """Rows (sequence x kv head) per program of phi's matmuls: a power of two, 16 to 64."""
-    return min(64, max(16, decode_triton._next_pow2(rows)))
+    return min(64, max(16, kernels._next_pow2(rows)))
 
 
 def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
@@ -157,7 +158,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
                        trace: Optional[Tensor] = None) -> tuple[Tensor, ...]:
     """phi_tokens, rows: tokens and rows per phi program (tests; by default w1's slice is at
     most 64 KB, 2 tokens at H1 = D = 128 in bf16, so that it fits in shared memory; phi_rows). Without phi_count the kernel counts in a zeroed tensor of its own (one more
-    launch). trace: an int64 [programs, 5] tensor for the programs' timeline (decode_triton._trace;
+    launch). trace: an int64 [programs, 5] tensor for the programs' timeline (kernels.store_trace;
     bench/decode_timeline_gpu.py)."""
     B, Hkv, T, Dk = k.shape
     Dv = v.shape[-1]
@@ -179,7 +180,7 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         phi_count = torch.zeros((B, Hkv, 2), dtype=torch.int32, device=k.device)
     # The chunks' first-layer sums, per side and block of rows.
     parts = torch.empty((2, nrb, chunks, RB, H1), dtype=torch.float32, device=k.device)
-    decode_triton.check_trace(trace, nrb * 2 * chunks)
+    kernels.check_trace(trace, nrb * 2 * chunks)
     wrap_triton(_cache_step_kernel)[(nrb, 2 * chunks)](
         k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp, v_cmp, pos,
         phi_count, parts,
@@ -191,12 +192,12 @@ def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win
         SEPARATE=separate, HAS_B1K=b1_k is not None, HAS_B2K=b2_k is not None, HAS_B1V=b1_v is not None,
         HAS_B2V=b2_v is not None, RB=RB, TPC=tpc, CHUNKS=chunks, F32_DOT=k.device.type == "cpu",
         trace_ptr=pos if trace is None else trace, TRACE=trace is not None, num_warps=8,
-        **decode_triton.pdl_launch(k.device, True),
+        **triton_utils.pdl_launch(k.device, True),
     )
     return (k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, pe_k, w1_k, w2_k, pe_v, w1_v, w2_v, parts)
 
 
-if decode_triton.HAS_TRITON:
+if kernels.HAS_TRITON:
 
     @triton.jit
     def _cache_step_kernel(
@@ -215,9 +216,9 @@ if decode_triton.HAS_TRITON:
         the last of them finishes phi for the block of rows (_phi_rows). With PDL it is
         launched before the kernel ahead of it ends and waits for it first (the tokens come from
         there), then lets decode_attend's first kernel launch."""
-        t_entry = _now(tl.program_id(0)) if TRACE else 0
-        rb = tl.program_id(0) + _pdl_wait(tl.program_id(0), PDL)
-        t_rel = _now(rb) if TRACE else 0
+        t_entry = global_time(tl.program_id(0)) if TRACE else 0
+        rb = tl.program_id(0) + pdl_wait(tl.program_id(0), PDL)
+        t_rel = global_time(rb) if TRACE else 0
         side = tl.program_id(1) % 2
         chunk = tl.program_id(1) // 2
         r = rb * RB + tl.arange(0, RB)
@@ -239,7 +240,7 @@ if decode_triton.HAS_TRITON:
                             vct_ptr + b * svct_b + h * svct_h, v_ptr, vw_ptr, vtail_ptr, vc_ptr, r, ok, pos, T, Tc,
                             pe_v, w1_v, b1_v, w2_v, b2_v, count, parts, chunk, L, STRIDE, DV, H1V, SEPARATE,
                             HAS_B1V, HAS_B2V, RB, TPC, CHUNKS, F32_DOT)
-        _trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
+        store_trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
 
     @triton.jit
     def _write_compress(tok_ptrs, wtok_ptrs, ctok_ptrs, cache_ptr, win_ptr, tail_ptr, cmp_ptr, r, ok, pos, T, Tc,

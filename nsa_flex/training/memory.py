@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nsa_flex.masks.selection import initial_copies, tokens_per_tile
+from nsa_flex.flex.masks.selection import initial_copies, tokens_per_tile
 from nsa_flex.model import NSALM, NSAModelConfig
-from nsa_flex.ops.blockmask import query_chunks
-from nsa_flex.tuning import FlexTiles
+from nsa_flex.flex.blockmask import query_chunks
+from nsa_flex.flex.tuning import FlexTiles
 
 GIB = 2**30
 
@@ -91,7 +91,7 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
 
     precision: fp32 | bf16 | fp16. impl: the NSA path ("flex" or "reference"; ignored for dense).
     sel_q_block: query rows per block of the selected branch's folded BlockMask (None: the
-    length-based default of nsa_flex.tuning.FlexTiles.sel_rows).
+    length-based default of nsa_flex.flex.tuning.FlexTiles.sel_rows).
     """
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r}: allowed fp32, bf16, fp16")

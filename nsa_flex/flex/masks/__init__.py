@@ -5,10 +5,10 @@ the mask_mod, densely) and a BlockMask factory that lists the visited blocks in 
 directions without materialising a [Q_LEN, KV_LEN] tensor.
 """
 
-from nsa_flex.masks.compressed import compressed_block_mask, compressed_mask_mod
-from nsa_flex.masks.selection import (InitialCopies, initial_copies, selection_bits, selection_block_mask,
+from nsa_flex.flex.masks.compressed import compressed_block_mask, compressed_mask_mod
+from nsa_flex.flex.masks.selection import (InitialCopies, initial_copies, selection_bits, selection_block_mask,
                                      selection_mask_mod)
-from nsa_flex.masks.window import window_block_mask, window_mask_mod, window_widths
+from nsa_flex.flex.masks.window import window_block_mask, window_mask_mod, window_widths
 
 __all__ = [
     "compressed_block_mask",

@@ -63,7 +63,7 @@ class NSACache(nn.Module):
         buffer("v_tail", B, Hkv, l, Dv)
         buffer("lengths", B, dtype=torch.int64)
         # cache_step's programs that share a completed block's phi count themselves in here; the
-        # last sets it back to 0 (nsa_flex.ops.cache_step.check_phi_count).
+        # last sets it back to 0 (nsa_flex.ops.decode.cache_step.check_phi_count).
         buffer("phi_count", B, Hkv, 2, dtype=torch.int32)
 
     def extra_repr(self) -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from nsa_flex.cache import NSACache
-from nsa_flex.decode import decode_step, prefill
+from nsa_flex.decoding.cache import NSACache
+from nsa_flex.decoding.step import decode_step, prefill
 from nsa_flex.model import NSALM, apply_rotary
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import ConfigError, TrainConfig, build_config

@@ -32,8 +32,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_flex.blocks import num_sel_blocks
 from nsa_flex.config import NSAConfig
-from nsa_flex.masks.documents import Documents
-from nsa_flex.ops.blockmask import interval_block_mask, make_block_mask, transpose_blocks, union_blocks
+from nsa_flex.flex.masks.documents import Documents
+from nsa_flex.flex.blockmask import interval_block_mask, make_block_mask, transpose_blocks, union_blocks
 
 WORD = 32
 

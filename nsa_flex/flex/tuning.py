@@ -113,13 +113,13 @@ def install_flex_tuning() -> None:
     from torch._inductor import config as inductor_config
     from torch._inductor.virtualized import V
 
-    from nsa_flex._inductor_choices import NSAFlexChoices as cls
+    from nsa_flex.flex.inductor_choices import NSAFlexChoices as cls
 
     current = getattr(inductor_config, "inductor_choices_class", None)
     if current is not None and current is not cls:
         raise RuntimeError(
             f"torch._inductor.config.inductor_choices_class is already set to {current!r}; nsa_flex needs "
-            "its own (nsa_flex._inductor_choices.NSAFlexChoices) for the selected branch's backward. Merge "
+            "its own (nsa_flex.flex.inductor_choices.NSAFlexChoices) for the selected branch's backward. Merge "
             "the two classes (one subclass with both changes) and install that instead."
         )
     if hasattr(inductor_config, "inductor_choices_class"):

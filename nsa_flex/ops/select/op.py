@@ -8,7 +8,7 @@ each GQA group, forces the first n_initial and the n_local blocks ending at the 
 drops blocks after the query's own and keeps the top n. Tie-break: equal scores take the
 lower block index first. Output [B, Hkv, T, n] int32: ascending block ids, -1 (unused) last.
 
-On CUDA the op runs a streaming Triton kernel (ops/select_triton.py) that never writes the
+On CUDA the op runs a streaming Triton kernel (ops/kernels.py) that never writes the
 [T, Tc] score matrix; elsewhere, or without Triton, it runs the torch twin below. The choice
 is made inside the op body: a register_kernel("cpu") fallback would be skipped under
 torch.compile (DESIGN.md section 3.9).
@@ -22,8 +22,6 @@ flex_attention(..., return_lse=True) returns, as is.
 """
 
 # No `from __future__ import annotations` here: torch.library reads the op's annotations.
-import contextlib
-import logging
 import math
 from typing import Optional
 
@@ -33,7 +31,8 @@ from torch.library import triton_op
 
 from nsa_flex.blocks import cmp_to_sel_weights, num_sel_blocks, sort_block_indices
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops import select_triton
+from nsa_flex.ops.select import kernels
+from nsa_flex.ops.triton_utils import quiet_without_triton
 
 # Score elements (B * Hq * rows * Tc) the twin holds at once: bounds its memory for any T.
 _TWIN_CHUNK_ELEMENTS = 1 << 22
@@ -99,26 +98,12 @@ def _select_blocks_impl(
     # Only the geometry fields are read; head counts come from the tensors (and may be symbolic).
     config = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                        n_selected=n_selected, n_initial=n_initial, n_local=n_local)
-    if q.device.type == "cuda" and select_triton.HAS_TRITON:
-        return select_triton.select_blocks_triton(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, scale, config)
+    if q.device.type == "cuda" and kernels.HAS_TRITON:
+        return kernels.select_blocks_triton(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, scale, config)
     return _select_torch(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, scale, config)
 
 
-@contextlib.contextmanager
-def _quiet_without_triton():
-    # Registering a triton_op logs "Triton not available" on machines without Triton (CPU
-    # wheels), where the op runs its twin by design.
-    log = logging.getLogger("torch._library.triton")
-    level = log.level
-    if not select_triton.HAS_TRITON:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-with _quiet_without_triton():
+with quiet_without_triton():
     _select_blocks_op = triton_op("nsa_flex::select_blocks", mutates_args=())(_select_blocks_impl)
 
 

@@ -10,8 +10,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_flex.config import NSAConfig
-from nsa_flex.masks.documents import Documents
-from nsa_flex.ops.blockmask import interval_block_mask
+from nsa_flex.flex.masks.documents import Documents
+from nsa_flex.flex.blockmask import interval_block_mask
 
 
 def compressed_mask_mod(config: NSAConfig, G: int = 1, docs: Documents | None = None):

@@ -5,7 +5,7 @@ one op so that the order of its kernels is fixed: decode_attend's first kernel (
 follows cache_step's for certain, and that kernel wrote only the token at pos and the
 compressed entry the token completes. So A's compressed programs read q, pos and the older
 compressed entries before they wait for it (programmatic dependent launch; see
-decode_triton._pdl_wait), where decode_attend on its own has to wait first: the kernel
+triton_utils.pdl_wait), where decode_attend on its own has to wait first: the kernel
 before it may have written anything. On the H200 cache_step cost the step ~4 us, against its
 kernel's 1.4-1.8 us (bench/results/2026-11-25_h200_decode_step_gap.json); in one op ~3 us, most
 of it the ~28 us that phi took once every 16 steps, where A's holder of the new entry waits for
@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.library import custom_op
 
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops.cache_step import check_phi_count, check_tokens, run_cache_step
-from nsa_flex.ops.decode_attend import _geometry, _prepare, run_decode_attend
-from nsa_flex.ops.phi_step import phi_params
+from nsa_flex.ops.decode.cache_step import check_phi_count, check_tokens, run_cache_step
+from nsa_flex.ops.decode.attend import _geometry, _prepare, run_decode_attend
+from nsa_flex.ops.decode.phi_step import phi_params
 
 
 def step_attend(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...], pos: Tensor, phi_k: nn.Module,

@@ -59,7 +59,7 @@ D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A'
    path, and 2, 4 or 8 warps were no faster (the step 16.6-17.8 us either way, 19.7 with 8;
    ..._h100_decode_step_dw_s13.json, ..._h100_decode_step_bloads_s13.json).
 
-Programmatic dependent launch (PDL, sm_90+; _pdl_wait): each kernel, cache_step's included, is
+Programmatic dependent launch (PDL, sm_90+; pdl_wait): each kernel, cache_step's included, is
 launched before the one ahead of it ends, waits for it (griddepcontrol.wait), then lets the next
 one launch. Before its wait a kernel does what needs nothing of the kernel just ahead: B and S
 load pos and q, S's window programs (WS) run whole, D merges A's partials; after the op's own
@@ -128,6 +128,7 @@ import torch
 
 from nsa_flex.blocks import num_sel_blocks
 from nsa_flex.config import NSAConfig
+from nsa_flex.ops import triton_utils
 
 try:
     import triton
@@ -170,7 +171,7 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     128 keys per program (TI=8) 5.0 / 6.3 us against 5.7 / 7.9 with 64; other warp counts of
     B and S were no faster.
 
-    PDL: programmatic dependent launch (sm_90 and newer; see _pdl_wait): the op 17.4 / 18.4 us
+    PDL: programmatic dependent launch (sm_90 and newer; see pdl_wait): the op 17.4 / 18.4 us
     against 19.1 / 19.3 without at B=1 (64k, from a CUDA graph; each variant timed first and last
     in one run), 45.3 / 47.6 at B=8, where it makes no difference (47-48 either way). WS: the
     window programs in S's grid, before S waits for B, instead of A's. Equal within the ~1 us
@@ -219,15 +220,15 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
                          tiles: dict[str, int] | None = None, *, advance: bool = False,
                          after_cache_step: bool = False,
                          trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode_attend (q [B,Hkv,G,Dk]).
+    """Launches A, B, S and D; arguments and result as nsa_flex.ops.decode.attend (q [B,Hkv,G,Dk]).
     advance: D adds 1 to pos in place once nothing reads it any more (a decode step's
     lengths update without a launch of its own). after_cache_step: the launches just before
     wrote only the token at pos and the compressed entry it completes (nsa_flex::step_attend,
     whose cache update runs first): A's compressed programs read q, pos and the older entries
-    before they wait (see _pdl_wait).
+    before they wait (see pdl_wait).
 
     trace: an int64 tensor [4, programs, 5] (a diagnostic, bench/decode_timeline_gpu.py): each
-    program of A, B, S and D stores its timeline there (see _trace), the kernels in that order,
+    program of A, B, S and D stores its timeline there (see store_trace), the kernels in that order,
     at least as many rows as the largest grid (launch_grids).
 
     tiles overrides launch_config's keys (TILE_KEYS). CUDA tensors, or CPU tensors under the
@@ -299,7 +300,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     dims = dict(G=G, ROWS=ROWS, DK=Dk, DKP=DKP, DV=Dv, DVP=DVP)
     dots = dict(F32_DOT=dev.type == "cpu", IEEE=k.dtype == torch.float32)
     ws, fs = bool(cfg["WS"]), bool(cfg["FS"])
-    pdl_args = pdl_launch(dev, bool(cfg["PDL"]))
+    pdl_args = triton_utils.pdl_launch(dev, bool(cfg["PDL"]))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args,
                   **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     # TMA: tensor descriptors of the compressed caches, boxes [1, 1, BC, D] (sm_90 and newer, or
@@ -378,15 +379,8 @@ def _tma_ok(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in x.stride()[:-1])
 
 
-def pdl_launch(device: torch.device, wanted: bool) -> dict:
-    """Launch arguments for a kernel with a PDL constexpr (see _pdl_wait): programmatic dependent
-    launch where wanted and the GPU has it (sm_90 and newer); launch_pdl only then, since the
-    interpreter knows neither."""
-    pdl = wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
-
-
 if HAS_TRITON:
+    from nsa_flex.ops.triton_utils import global_time, pdl_wait, store_trace
 
     @triton.jit
     def _dot(a, b, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
@@ -396,58 +390,6 @@ if HAS_TRITON:
             return tl.dot(a, b, input_precision="ieee")
         else:
             return tl.dot(a, b)
-
-    @triton.jit
-    def _pdl_wait(after, PDL: tl.constexpr):
-        """Programmatic dependent launch: waits until the previous kernel has finished and its
-        writes are visible, then lets the next kernel launch. Returns 0 (int32), which the caller
-        adds into the address of every load of an earlier kernel's result. The asm is marked
-        pure, so only that data dependency orders those loads after it (and ptxas keeps memory
-        operations on their side of griddepcontrol.wait): an impure asm makes torch's mutation
-        analysis of the kernel give up and assume every argument written, the caches included.
-        after: an int32 scalar for the asm's input, a program id: an input derived from loaded
-        data would make that mutation analysis count the loaded argument as written too (it
-        follows stored addresses back through every operand).
-
-        Every kernel waits before it lets the next launch, so a kernel that starts early finds
-        the kernel two launches back finished: what it reads before its own wait must come from
-        there or earlier.
-
-        Only Triton's own launcher honours launch_pdl: Inductor, launching a triton_op's kernels
-        itself, drops it. So decode_attend and cache_step are custom_ops, opaque to Inductor."""
-        z = 0
-        if PDL:
-            z = tl.inline_asm_elementwise(
-                # One line: Inductor copies this source into a module of its own, where an escaped
-                # newline in a string breaks it.
-                "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
-                [after], dtype=tl.int32, is_pure=True, pack=1)
-        return z
-
-    @triton.jit
-    def _now(after):
-        """The GPU's global timer (ns), read once `after` (an int32 scalar) is known: a timeline
-        stamp (TRACE)."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-
-    @triton.jit
-    def _trace(trace_ptr, t_entry, t_released, t_mid, TRACE: tl.constexpr):
-        """Stores a program's timeline (TRACE): entry, the end of its wait for the kernel ahead,
-        a point of the kernel's choosing after that (t_mid), its end (after a barrier, so after
-        its last store issued) and its SM, at trace_ptr[program, :5] (programs numbered
-        row-major over the grid)."""
-        if TRACE:
-            tl.debug_barrier()
-            slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * 5
-            t_end = _now(tl.program_id(1))
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
-                                           is_pure=False, pack=1)
-            tl.store(trace_ptr + slot, t_entry)
-            tl.store(trace_ptr + slot + 1, t_released)
-            tl.store(trace_ptr + slot + 2, t_mid)
-            tl.store(trace_ptr + slot + 3, t_end)
-            tl.store(trace_ptr + slot + 4, sm.to(tl.int64))
 
     @triton.jit
     def _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
@@ -536,20 +478,20 @@ if HAS_TRITON:
     ):
         pid = tl.program_id(0)
         part = tl.program_id(1)
-        t_entry = _now(pid) if TRACE else 0
+        t_entry = global_time(pid) if TRACE else 0
         t_rel = t_entry
         # Everything A reads may come from the kernel just before it, so it waits first; but after
         # the op's own cache update (PREFETCH) only the newest compressed entry and the token at
         # pos can, and the compressed programs wait only where they need them (below).
         z = tl.zeros([], tl.int32)
         if not PREFETCH:
-            z = _pdl_wait(pid, PDL)
+            z = pdl_wait(pid, PDL)
             if TRACE:
-                t_rel = _now(z)
+                t_rel = global_time(z)
         elif part >= SPLITS:
-            z = _pdl_wait(pid, PDL)
+            z = pdl_wait(pid, PDL)
             if TRACE:
-                t_rel = _now(z)
+                t_rel = global_time(z)
         bh = pid + z
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
@@ -579,9 +521,9 @@ if HAS_TRITON:
                 # The program holding a fresh newest entry waits before its loop, the others
                 # after it (the wait's 0 goes into the loop's start, or the partial's index).
                 if fresh == 1:
-                    t_lo += _pdl_wait(pid, PDL)
+                    t_lo += pdl_wait(pid, PDL)
                     if TRACE:
-                        t_rel = _now(t_lo)
+                        t_rel = global_time(t_lo)
             # 64-bit scalar bases, 32-bit tile offsets: [D, BC] tensors of 64-bit offsets cost registers.
             k_base = kc_ptr + b * sk_b + h * sk_h
             v_base = vc_ptr + b * sv_b + h * sv_h
@@ -614,9 +556,9 @@ if HAS_TRITON:
             if PREFETCH:
                 if fresh == 0:
                     # (pid + 1: an input of its own, so that the two waits stay apart.)
-                    idx += _pdl_wait(pid + 1, PDL)
+                    idx += pdl_wait(pid + 1, PDL)
                     if TRACE:
-                        t_rel = _now(idx)
+                        t_rel = global_time(idx)
             _store_partial(m_a, l_a, acc_a, idx, m, l, acc, ROWS, DVP)
             if WS and part == 0:
                 # Kernels run in order, so B starts with every counter at zero. (Not at the
@@ -629,7 +571,7 @@ if HAS_TRITON:
             _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part - SPLITS, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
                           WCH, BN)
-        _trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
+        store_trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
 
     @triton.jit
     def _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, chunk, w, scale,
@@ -656,12 +598,12 @@ if HAS_TRITON:
         a kv head to finish then picks the top n of those candidates (_top_n), or with ST each of
         S's programs does."""
         bh = tl.program_id(0)
-        t_entry = _now(bh) if TRACE else 0
+        t_entry = global_time(bh) if TRACE else 0
         t0 = tl.program_id(1) * TI
         pos = _load_pos(pos_ptr, bh // Hkv, T)
         # Below: A's results.
-        bh = bh + _pdl_wait(tl.program_id(1), PDL)
-        t_rel = _now(bh) if TRACE else 0
+        bh = bh + pdl_wait(tl.program_id(1), PDL)
+        t_rel = global_time(bh) if TRACE else 0
         n_tiles = tl.cdiv(_n_visible(pos, Tc, CMP_BLOCK, CMP_STRIDE), BCL)
         # Importance 0 where nothing is visible (a tile's entries also reach the first blocks of
         # the next tile); keys -1 past the query's own block.
@@ -692,12 +634,12 @@ if HAS_TRITON:
         key = _sel_key(imp, j, pos // SEL_BLOCK, NS, N_INIT, N_LOCAL)
         key = tl.where(col < JT, key, -1)
         # (TRACE: the top n below starts here.)
-        t_mid = _now(tl.max(key, axis=0).to(tl.int32)) if TRACE else 0
+        t_mid = global_time(tl.max(key, axis=0).to(tl.int32)) if TRACE else 0
         # Every key of the kv head's top n is among its program's top n.
         slot = tl.arange(0, NP)
         tl.store(cand_ptr + (bh * tl.num_programs(1) + tl.program_id(1)) * NP + slot, tl.topk(key, NP))
         if ST:
-            _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
+            store_trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
             return
         # The last program of this kv head to get here sees every candidate (the barrier orders
         # the program's stores before its count; acq_rel publishes them and acquires the others').
@@ -705,7 +647,7 @@ if HAS_TRITON:
         done = tl.atomic_add(arrived_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
             _top_n(cand_ptr, blocks_ptr, bh, NS, tl.num_programs(1), N, NP, NPROGP)
-        _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
+        store_trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
 
     @triton.jit
     def _fold_loads(fold_ptr, mt_ptr, bh, t, col, g, n_tiles, NT, kk: tl.constexpr, G: tl.constexpr,
@@ -765,7 +707,7 @@ if HAS_TRITON:
         wait for it (first in the grid, so that they are dispatched before the programs waiting
         for B); the others the selected block B chose in slot part - NW. Without WS, only those."""
         bh = tl.program_id(0)
-        t_entry = _now(bh) if TRACE else 0
+        t_entry = global_time(bh) if TRACE else 0
         t_rel = t_entry
         t_mid = t_entry
         part = tl.program_id(1) - (NW if WS else 0)
@@ -774,9 +716,9 @@ if HAS_TRITON:
         pos = _load_pos(pos_ptr, b, T)
         q_rd = _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G, ROWS, DK, DKP)
         if part >= 0:
-            zw = _pdl_wait(part, PDL)
+            zw = pdl_wait(part, PDL)
             if TRACE:
-                t_rel = _now(zw)
+                t_rel = global_time(zw)
             if ST:
                 # B stored each of its programs' top n: every program of the kv head takes the
                 # same top n of them and attends over the block in its slot (and stores its id).
@@ -787,7 +729,7 @@ if HAS_TRITON:
                 blk = tl.load(blocks_ptr + (bh + zw) * N + part)
             if TRACE:
                 # The block is known here: its tokens' loads and attention follow.
-                t_mid = _now(blk.to(tl.int32))
+                t_mid = global_time(blk.to(tl.int32))
             lo = tl.maximum(blk, 0) * SEL_BLOCK
             hi = tl.where(blk >= 0, tl.minimum(lo + SEL_BLOCK, pos + 1), lo)
             m, l, acc = _attend_range(q_rd, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, sk_t, sv_t,
@@ -797,7 +739,7 @@ if HAS_TRITON:
             _window_chunk(q_rd, kw_ptr, vw_ptr, m_c, l_c, acc_c, b, h, bh, pos, part + NW, w, scale,
                           skw_b, skw_h, skw_t, svw_b, svw_h, svw_t, ROWS, DK, DKP, DV, DVP, F32_DOT, IEEE, N, NW,
                           WCH, BN)
-        _trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
+        store_trace(trace_ptr, t_entry, t_rel, t_mid, TRACE)
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, first, last, PP: tl.constexpr, ROWS: tl.constexpr, DVP: tl.constexpr):
@@ -823,7 +765,7 @@ if HAS_TRITON:
     ):
         bh = tl.program_id(0)
         g = tl.program_id(1)
-        t_entry = _now(bh) if TRACE else 0
+        t_entry = global_time(bh) if TRACE else 0
         ra = bh * SPLITS * ROWS + g
         # A finished before S started, so its partials merge while S runs; S's after the wait.
         o_cmp = _merge(m_a + ra, l_a + ra, acc_a + ra * DVP, 0, SPLITS, SPP, ROWS, DVP)
@@ -836,8 +778,8 @@ if HAS_TRITON:
         advance = ADVANCE & (bh == 0) & (g == 0)
         bb = tl.arange(0, 128)
         pos0 = tl.load(pos_ptr + bb, mask=(bb < B) & advance, other=0)
-        z = _pdl_wait(g, PDL)
-        t_rel = _now(z) if TRACE else 0
+        z = pdl_wait(g, PDL)
+        t_rel = global_time(z) if TRACE else 0
         bh = bh + z
         rc = bh * NP * ROWS + g
         o_sel = _merge(m_c + rc, l_c + rc, acc_c + rc * DVP, 0, N, NPP, ROWS, DVP)
@@ -851,4 +793,4 @@ if HAS_TRITON:
             for b0 in range(128, B, 128):
                 tl.store(pos_ptr + b0 + bb + z, tl.load(pos_ptr + b0 + bb + z, mask=b0 + bb < B) + 1,
                          mask=b0 + bb < B)
-        _trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)
+        store_trace(trace_ptr, t_entry, t_rel, t_rel, TRACE)

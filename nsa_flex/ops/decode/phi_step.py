@@ -1,7 +1,7 @@
 """phi for one decode step: the op nsa_flex::phi_step, which compresses only where a block completes.
 
 A decode step of token pos completes compression block (pos + 1 - l) / d when pos + 1 >= l and
-(pos + 1 - l) % d == 0: one step in d. The batched tensor path (nsa_flex.decode) runs phi's two
+(pos + 1 - l) % d == 0: one step in d. The batched tensor path (nsa_flex.decoding.step) runs phi's two
 Linear layers for every sequence on every step and keeps the result by a masked write, because
 a CUDA graph cannot branch on the host; on an H200 those cuBLAS GEMMs (split-K and its reduce)
 were ~16 of the 56 us of a B=1 step at 64k (bench/results/2026-11-22_h200_decode_v2.json).
@@ -23,10 +23,10 @@ import torch
 from torch import Tensor, nn
 from torch.library import triton_op
 
-from nsa_flex.ops import decode_triton
-from nsa_flex.ops.select import _quiet_without_triton
+from nsa_flex.ops.decode import kernels
+from nsa_flex.ops.triton_utils import quiet_without_triton
 
-if decode_triton.HAS_TRITON:
+if kernels.HAS_TRITON:
     import triton
     import triton.language as tl
     from torch.library import wrap_triton
@@ -55,7 +55,7 @@ def phi_params(phi: nn.Module) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor
 
 def _phi_step_impl(tail: Tensor, cmp: Tensor, pos: Tensor, pos_enc: Tensor, w1: Tensor, b1: Optional[Tensor],
                    w2: Tensor, b2: Optional[Tensor], cmp_block: int, cmp_stride: int) -> None:
-    usable = (decode_triton.HAS_TRITON and tail.device.type == "cuda" and w1.dtype in _DTYPES
+    usable = (kernels.HAS_TRITON and tail.device.type == "cuda" and w1.dtype in _DTYPES
               and tail.stride(-1) == 1 and cmp.stride(-1) == 1)
     if usable:
         _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block, cmp_stride)
@@ -63,7 +63,7 @@ def _phi_step_impl(tail: Tensor, cmp: Tensor, pos: Tensor, pos_enc: Tensor, w1: 
         _phi_step_torch(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block, cmp_stride)
 
 
-with _quiet_without_triton():
+with quiet_without_triton():
     _phi_step_op = triton_op("nsa_flex::phi_step", mutates_args=("cmp",))(_phi_step_impl)
 
 
@@ -73,7 +73,7 @@ def _phi_step_fake(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block, cmp_strid
 
 
 def _phi_step_torch(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int) -> None:
-    """The twin: phi for every sequence, kept where a block completed (nsa_flex.decode's batched path)."""
+    """The twin: phi for every sequence, kept where a block completed (nsa_flex.decoding.step's batched path)."""
     l, d = cmp_block, cmp_stride
     B = pos.shape[0]
     b = torch.arange(B, device=pos.device)
@@ -96,7 +96,7 @@ def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int, elements: int = 1 << 16
     """Tokens of the block whose first-layer products a program takes at once (a power of two,
     at least 1): a [TPC, H1, D_in] slice of w1 of at most `elements`, loaded in one go so that
     the chunk's weights are in flight together (4 tokens at H1 = D_in = 128 by default)."""
-    return min(decode_triton._next_pow2(cmp_block), max(1, elements // (h1 * d_in)))
+    return min(kernels._next_pow2(cmp_block), max(1, elements // (h1 * d_in)))
 
 
 def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int, *,
@@ -118,7 +118,7 @@ def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cm
     )
 
 
-if decode_triton.HAS_TRITON:
+if kernels.HAS_TRITON:
 
     @triton.jit
     def _phi_step_kernel(tail_ptr, cmp_ptr, pos_ptr, pe_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, Hkv, T_max,

@@ -1,6 +1,6 @@
 """NSAFlexChoices: Inductor's choices plus one backward flex config that fits 16-row query blocks.
 
-Its own module (imported only by nsa_flex.tuning.install_flex_tuning) so that importing
+Its own module (imported only by nsa_flex.flex.tuning.install_flex_tuning) so that importing
 nsa_flex does not import Inductor, and so the class pickles by reference: Inductor puts the
 installed choices class into its cache keys. See nsa_flex/tuning.py for why it exists.
 """
@@ -20,7 +20,7 @@ def _fallback_bwd_config():
 
 
 class NSAFlexChoices(InductorChoices):
-    """Appends the 16x16 backward config to Inductor's own list (see nsa_flex.tuning)."""
+    """Appends the 16x16 backward config to Inductor's own list (see nsa_flex.flex.tuning)."""
 
     def get_flex_attention_bwd_configs(self, *args, **kwargs):
         configs = list(super().get_flex_attention_bwd_configs(*args, **kwargs))
