@@ -73,7 +73,7 @@ def _model(checkpoint: str | None, preset: str, dev: str, dt, seed: int, need_to
         model, spec = NSALM(MODEL_PRESETS[preset], device=dev).to(dt).eval(), "byte"
         source = f"random {preset} model (seed {seed})"
     else:
-        from nsa_flex.decoding.generate import find_checkpoint, load_model
+        from nsa_flex.training.load import find_checkpoint, load_model
 
         try:
             path = find_checkpoint(checkpoint)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -69,6 +70,18 @@ def nsa_attention(
     return (o, sel) if return_indices else o
 
 
+class Projected(NamedTuple):
+    """A layer's projections of x: q [B,T,Hq,Dk] and each branch's keys/values [B,T,Hkv,D]."""
+
+    q: torch.Tensor
+    k_cmp: torch.Tensor  # the cmp branch's keys before RoPE: phi's input
+    v_cmp: torch.Tensor
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+
+
 class Gate(nn.Module):
     """Sigmoid gates, one per branch per query head, from the layer input.
 
@@ -118,11 +131,11 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(Hq * Dv, dim, bias=bias)
         nn.init.normal_(self.wo.weight, std=0.02 / math.sqrt(2))
 
-    def project(self, x_btc: torch.Tensor, rotary=None):
-        """x [B,T,dim] -> (q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win), heads split.
+    def project(self, x_btc: torch.Tensor, rotary=None) -> Projected:
+        """x [B,T,dim] -> Projected (heads split).
 
-        k_cmp_in / v_cmp_in are phi's inputs (never rotated); `rotary(q, k) -> (q, k)` is applied
-        to the queries and the selected/window keys. The decode path calls this too.
+        k_cmp / v_cmp are phi's inputs (never rotated); `rotary(q, k) -> (q, k)` is applied to the
+        queries and the selected/window keys. Decoding calls this with RoPE at explicit positions.
         """
         cfg = self.config
         B, T, _ = x_btc.shape
@@ -136,31 +149,43 @@ class NSAAttention(nn.Module):
             q_rot, k_s = rotary(q, k_s)
             k_w = rotary(q, k_w)[1] if len(ks) > 1 else k_s
             q = q_rot
-        return q, k_c, v_c, k_s, v_s, k_w, v_w
+        return Projected(q, k_c, v_c, k_s, v_s, k_w, v_w)
 
     def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
                 return_indices: bool = False):
-        cfg = self.config
         if x_btc.dim() != 3 or x_btc.shape[-1] != self.dim:
             raise ValueError(f"NSAAttention input has shape {tuple(x_btc.shape)}; expected [B, T, dim={self.dim}]")
-        B, T, _ = x_btc.shape
-        q, k_c, v_c, k_s, v_s, k_w, v_w = self.project(x_btc, rotary)
-        k_cmp = self.compress_k(k_c, cu_seqlens)
-        v_cmp = self.compress_v(v_c, cu_seqlens)
-        k_w, v_w = (k_w, v_w) if cfg.separate_kv else (None, None)
-        if self.impl == "flex":
-            y, sel = self._forward_flex(x_btc, q, k_s, v_s, k_cmp, v_cmp, k_w, v_w, cu_seqlens)
-        else:
-            o, sel = nsa_attention(q, k_s, v_s, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=self.impl,
-                                   return_indices=True, cu_seqlens=cu_seqlens, k_win=k_w, v_win=v_w)
-            y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
+        y, sel, _, _ = self.attend(x_btc, self.project(x_btc, rotary), cu_seqlens=cu_seqlens)
         return (y, sel) if return_indices else y
 
-    def _forward_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens):
+    def attend(self, x_btc: torch.Tensor, pr: Projected, *, cu_seqlens: torch.Tensor | None = None,
+               block_indices: torch.Tensor | None = None):
+        """The layer after its projections: phi, the op, gates, output projection.
+
+        Returns (y [B,T,dim], selection [B,Hkv,T,n], k_cmp, v_cmp [B,Tc,Hkv,*]); the training
+        forward and decoding's prefill (which keeps k_cmp / v_cmp in its cache) both run this.
+        block_indices overrides the selection (see nsa_attention).
+        """
+        cfg = self.config
+        B, T, _ = x_btc.shape
+        k_cmp = self.compress_k(pr.k_cmp, cu_seqlens)
+        v_cmp = self.compress_v(pr.v_cmp, cu_seqlens)
+        k_win, v_win = (pr.k_win, pr.v_win) if cfg.separate_kv else (None, None)
+        if self.impl == "flex":
+            y, sel = self._attend_flex(x_btc, pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, k_win, v_win, cu_seqlens,
+                                       block_indices)
+        else:
+            o, sel = nsa_attention(pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, self.gate(x_btc), config=cfg,
+                                   impl=self.impl, block_indices=block_indices, return_indices=True,
+                                   cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+            y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
+        return y, sel, k_cmp, v_cmp
+
+    def _attend_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens, block_indices):
         """The flex op's branches, then gates, gated sum and output projection as one checkpointed
         region: the backward recomputes the gates and the sum from tensors the Flex calls keep
         anyway, instead of keeping the sum for wo and the gate MLP's activations (~74 MiB per
-        layer of seeds-125m at 32k tokens, bench/results/2026-11-22_h200_memory_probe.json)."""
+        layer of seeds-125m at 32k tokens; docs/decisions.md, memory)."""
         from nsa_flex import flex
 
         cfg = self.config
@@ -168,9 +193,9 @@ class NSAAttention(nn.Module):
         if not torch.compiler.is_compiling():
             # The gates are made inside the region: their shape stands in for the checks.
             gates_shape = q.new_zeros(()).expand(B, T, cfg.n_heads, 3)
-            check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, None, cu_seqlens, k_win, v_win)
-        o_cmp, o_sel, o_win, sel = flex.nsa_flex_branches(q, k, v, k_cmp, v_cmp, cfg, cu_seqlens=cu_seqlens,
-                                                          k_win=k_win, v_win=v_win)
+            check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, block_indices, cu_seqlens, k_win, v_win)
+        o_cmp, o_sel, o_win, sel = flex.nsa_flex_branches(q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
+                                                          cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
         combine = flex.combine_for(q)
 
         def output(x_btc, o_cmp, o_sel, o_win):

@@ -40,18 +40,42 @@ def cmp_to_sel_weights(Tc: int, Ns: int, config: NSAConfig, *, dtype=torch.float
     return (hi - lo).clamp(min=0).to(dtype) / config.cmp_stride
 
 
-def forced_and_valid(T: int, Ns: int, config: NSAConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """([T, Ns] forced, [T, Ns] valid) selection blocks of each query position.
+def forced_and_valid_at(t: torch.Tensor, Ns: int, config: NSAConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """([..., Ns] forced, [..., Ns] valid) selection blocks of queries at (document-local) positions t [...].
 
     valid: the block starts at or before the query (j <= t // l').
     forced: the first n_initial blocks and the n_local blocks ending with the query's own.
     """
-    own = torch.arange(T, device=device) // config.sel_block
-    j = torch.arange(Ns, device=device)
-    valid = j[None, :] <= own[:, None]
-    local = j[None, :] > own[:, None] - config.n_local
-    forced = valid & ((j[None, :] < config.n_initial) | local)
+    own = (t // config.sel_block)[..., None]
+    j = torch.arange(Ns, device=t.device)
+    valid = j <= own
+    forced = valid & ((j < config.n_initial) | (j > own - config.n_local))
     return forced, valid
+
+
+def forced_and_valid(T: int, Ns: int, config: NSAConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, Ns] forced, [T, Ns] valid) selection blocks of each query position 0 .. T-1."""
+    return forced_and_valid_at(torch.arange(T, device=device), Ns, config)
+
+
+def top_n_blocks(importance: torch.Tensor, t: torch.Tensor, config: NSAConfig) -> torch.Tensor:
+    """The selection rule: importance [..., Ns] of queries at positions t (broadcast against
+    importance[..., 0]) -> [..., n] block ids, ascending, -1 in unused slots.
+
+    Forced blocks always win, blocks after the query's own never count, and equal scores take
+    the lower block id first (a stable descending sort keeps equal scores in index order). The
+    reference, the selection op's twin and the decode twin all select through this function.
+    """
+    Ns = importance.shape[-1]
+    forced, valid = forced_and_valid_at(t, Ns, config)
+    score = importance.masked_fill(forced, math.inf).masked_fill(~valid, -math.inf)
+    order = torch.sort(score, dim=-1, descending=True, stable=True)
+    n = config.n_selected
+    k = min(n, Ns)
+    top = order.indices[..., :k].masked_fill(order.values[..., :k] == -math.inf, -1)
+    if k < n:
+        top = torch.cat([top, top.new_full((*top.shape[:-1], n - k), -1)], dim=-1)
+    return sort_block_indices(top)
 
 
 def sort_block_indices(idx: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,8 @@ import torch
 from nsa_flex.blocks import (
     cmp_block_last_token,
     cmp_to_sel_weights,
-    forced_and_valid,
     num_sel_blocks,
-    sort_block_indices,
+    top_n_blocks,
 )
 from nsa_flex.config import NSAConfig
 
@@ -82,16 +81,7 @@ def select_blocks(p_cmp_bhtc: torch.Tensor, T: int, G: int, config: NSAConfig) -
     Ns = num_sel_blocks(T, config)
     weights_cs = cmp_to_sel_weights(Tc, Ns, config, dtype=p_cmp_bhtc.dtype, device=p_cmp_bhtc.device)
     importance = (p_cmp_bhtc @ weights_cs).view(B, Hq // G, G, T, Ns).sum(2)
-    forced_ts, valid_ts = forced_and_valid(T, Ns, config, p_cmp_bhtc.device)
-    score = importance.masked_fill(forced_ts, float("inf")).masked_fill(~valid_ts, float("-inf"))
-    # A stable descending sort keeps equal scores in index order: the documented tie-break.
-    order = torch.sort(score, dim=-1, descending=True, stable=True)
-    n = min(config.n_selected, Ns)
-    top = order.indices[..., :n]
-    top = top.masked_fill(order.values[..., :n] == float("-inf"), -1)
-    if n < config.n_selected:
-        top = torch.cat([top, top.new_full((*top.shape[:-1], config.n_selected - n), -1)], dim=-1)
-    return sort_block_indices(top)
+    return top_n_blocks(importance, torch.arange(T, device=p_cmp_bhtc.device), config)
 
 
 def _selection_mask(block_indices: torch.Tensor, T: int, config: NSAConfig) -> torch.Tensor:

@@ -19,7 +19,8 @@ from nsa_flex.bench.report import write_report
 from nsa_flex.blocks import cmp_block_last_token, cmp_to_sel_weights, num_cmp_blocks, sort_block_indices
 from nsa_flex.decoding.cache import NSACache
 from nsa_flex.decoding.step import decode_step, fold_to_sel_blocks, full_forward, prefill, project, select_blocks_one
-from nsa_flex.decoding.generate import Generator, SamplingConfig, generate, load_model, pad_prompts, sample
+from nsa_flex.decoding.generate import Generator, SamplingConfig, generate, pad_prompts, sample
+from nsa_flex.training.load import load_model
 from nsa_flex.model import MODEL_PRESETS, NSALM, Rotary, apply_rotary
 from nsa_flex.reference import select_blocks
 from nsa_flex.training.train import train

@@ -221,7 +221,7 @@ def test_module_rejects_wrong_input_shape(shape):
 @pytest.mark.parametrize("T", [1, 17, 100])
 def test_module_flex_forward_equals_reference(separate_kv, T):
     # impl="flex" runs the op's branches, then the gates, gated sum and wo as its own region
-    # (NSAAttention._forward_flex): on CPU (flex is dense and exact there, forward only) the
+    # (NSAAttention._attend_flex): on CPU (flex is dense and exact there, forward only) the
     # output and the selection must be the reference module's.
     module = make_module(CFG.replace(separate_kv=separate_kv))
     x = torch.randn(2, T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(T))

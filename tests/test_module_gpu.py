@@ -2,7 +2,7 @@
 compiled block (as training runs it) against eager.
 
 The module runs the op's branches, then gates, gated sum and wo as one checkpointed region
-(NSAAttention._forward_flex): the backward recomputes the gates and the sum. These tests
+(NSAAttention._attend_flex): the backward recomputes the gates and the sum. These tests
 check that recomputation end to end, parameters of the gate and wo included.
 Run through the device tool; output recorded under bench/results/.
 """

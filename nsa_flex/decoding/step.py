@@ -16,11 +16,11 @@ With positions = arange(T) it must equal the `rotary(q, k)` the layer was traine
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
-from nsa_flex.attention import NSAAttention, nsa_attention
+from nsa_flex.attention import NSAAttention, Projected
 from nsa_flex.decoding.cache import NSACache
 from nsa_flex.ops import decode_attend_torch, phi_step, step_attend
 from nsa_flex.ops.decode.cache_step import write_token_torch
@@ -30,22 +30,10 @@ from nsa_flex.ops.decode.attend import fold_to_sel_blocks, select_blocks_one  # 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-class Projected(NamedTuple):
-    """The layer's projections of x: q [B,T,Hq,Dk] and each branch's keys/values [B,T,Hkv,D]."""
-
-    q: torch.Tensor
-    k_cmp: torch.Tensor  # the cmp branch's keys before RoPE: phi's input
-    v_cmp: torch.Tensor
-    k_sel: torch.Tensor
-    v_sel: torch.Tensor
-    k_win: torch.Tensor
-    v_win: torch.Tensor
-
-
 def project(layer: NSAAttention, x_btc: torch.Tensor, positions_bt: torch.Tensor, rotary: Rotary | None) -> Projected:
     """NSAAttention's projections, with RoPE at explicit positions [B, T]."""
     at_positions = None if rotary is None else (lambda q, k: rotary(q, k, positions_bt))
-    return Projected(*layer.project(x_btc, at_positions))
+    return layer.project(x_btc, at_positions)
 
 
 @torch.no_grad()
@@ -72,15 +60,10 @@ def full_forward(layer: NSAAttention, x_btc: torch.Tensor, *, rotary: Rotary | N
 
 
 def _forward(layer: NSAAttention, x_btc: torch.Tensor, rotary: Rotary | None, block_indices):
-    cfg = layer.config
     B, T, _ = x_btc.shape
     pr = project(layer, x_btc, torch.arange(T, device=x_btc.device).expand(B, T), rotary)
-    k_cmp, v_cmp = layer.compress_k(pr.k_cmp), layer.compress_v(pr.v_cmp)
-    separate = cfg.separate_kv
-    o, sel = nsa_attention(pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, layer.gate(x_btc), config=cfg, impl=layer.impl,
-                           block_indices=block_indices, return_indices=True,
-                           k_win=pr.k_win if separate else None, v_win=pr.v_win if separate else None)
-    return layer.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel, pr, k_cmp, v_cmp
+    y, sel, k_cmp, v_cmp = layer.attend(x_btc, pr, block_indices=block_indices)
+    return y, sel, pr, k_cmp, v_cmp
 
 
 def _fill(cache: NSACache, pr: Projected, k_cmp: torch.Tensor, v_cmp: torch.Tensor, lengths_b: torch.Tensor) -> None:

@@ -140,7 +140,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     feeds wo. NSA with impl flex: the folded q, the selected branch's k/v (with the initial-block
     copies where split; the window reads a view of them), three branch outputs and their lse,
     phi's d-token chunks, hidden and outputs, and the compressed k/v repeated per query chunk;
-    gates, gated sum and wo's input are recomputed in the backward (NSAAttention._forward_flex).
+    gates, gated sum and wo's input are recomputed in the backward (NSAAttention._attend_flex).
     Eager blocks also keep RMSNorm's fp32 intermediates, SwiGLU's product and the head-merge copy.
     """
     n = cfg.nsa

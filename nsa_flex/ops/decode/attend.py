@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.library import custom_op
 from torch.nn import functional as F
 
-from nsa_flex.blocks import num_sel_blocks
+from nsa_flex.blocks import num_sel_blocks, top_n_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops.decode import kernels
 
@@ -159,24 +159,10 @@ def fold_to_sel_blocks(imp_bhc: Tensor, cfg: NSAConfig, num_sel: int) -> Tensor:
 def select_blocks_one(p_bhgc: Tensor, pos_b: Tensor, cfg: NSAConfig, num_sel: int) -> Tensor:
     """Top-n selection blocks of one query per kv head: [B,Hkv,G,Tc] cmp probabilities -> [B,Hkv,n].
 
-    The rule of reference.select_blocks (group-summed importance, forced blocks first, blocks
-    after the query's own excluded, ties to the lower block id, -1 in unused slots), but the
-    ids come in no particular order. torch.topk is not stable, so ties are broken by a key
-    that cannot tie: the score's bits (a non-negative float orders like its int32 bit
-    pattern) above the reversed block id.
+    The group-summed importance in fp32 (as the kernels compute it), then blocks.top_n_blocks,
+    the rule every implementation shares. The Triton kernels return the same ids unordered.
     """
-    imp_bhs = fold_to_sel_blocks(p_bhgc.sum(2), cfg, num_sel).float()
-    j = torch.arange(num_sel, device=pos_b.device)
-    own_b1 = (pos_b // cfg.sel_block)[:, None]
-    valid_bs = j[None, :] <= own_b1
-    forced_bs = valid_bs & ((j[None, :] < cfg.n_initial) | (j[None, :] > own_b1 - cfg.n_local))
-    score = imp_bhs.masked_fill(forced_bs[:, None], float("inf"))
-    key = score.view(torch.int32).to(torch.int64) * 2**32 + (num_sel - 1 - j)
-    key = key.masked_fill(~valid_bs[:, None], -1)
-    n = min(cfg.n_selected, num_sel)
-    top = torch.topk(key, n, dim=-1, sorted=False)
-    blocks = torch.where(top.values >= 0, top.indices, -1)
-    return F.pad(blocks, (0, cfg.n_selected - n), value=-1)
+    return top_n_blocks(fold_to_sel_blocks(p_bhgc.sum(2), cfg, num_sel).float(), pos_b[:, None], cfg)
 
 
 def sel_win_attention(q_bhgd, k, v, k_win, v_win, blocks_bhn, pos_b, g_sel, g_win, scale: float,

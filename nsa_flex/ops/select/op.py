@@ -22,14 +22,13 @@ flex_attention(..., return_lse=True) returns, as is.
 """
 
 # No `from __future__ import annotations` here: torch.library reads the op's annotations.
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from nsa_flex.blocks import cmp_to_sel_weights, num_sel_blocks, sort_block_indices
+from nsa_flex.blocks import cmp_to_sel_weights, num_sel_blocks, top_n_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops.select import kernels
 from nsa_flex.ops.triton_utils import quiet_without_triton
@@ -118,7 +117,7 @@ def _select_torch(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, confi
     """The twin: fp32 (or fp64) math, row chunks of at most _TWIN_CHUNK_ELEMENTS scores."""
     B, T, Hq, Dk = q.shape
     Tc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
-    G, n = Hq // Hkv, config.n_selected
+    G = Hq // Hkv
     Ns = num_sel_blocks(T, config)
     dtype = torch.promote_types(q.dtype, torch.float32)
     t = torch.arange(T, device=q.device)
@@ -141,7 +140,7 @@ def _select_torch(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, confi
         p = _cmp_probs(q_bhgtd @ k_bhcd[:, :, None], lse_bhgt, t_local[t0:t1],
                        None if cmp_start is None else cmp_start[t0:t1], cmp_len[t0:t1], scale, config)
         importance = (p @ weights_cs).sum(2)  # [B, Hkv, rows, Ns]
-        out.append(_top_n(importance, t_local[t0:t1], n, config))
+        out.append(top_n_blocks(importance, t_local[t0:t1], config))
     return torch.cat(out, dim=2).to(torch.int32)
 
 
@@ -158,23 +157,6 @@ def _cmp_probs(s_bhgtc, lse_bhgt, t_local, cmp_start, cmp_len, scale: float, con
     )
     p = torch.exp(s_bhgtc * scale - lse_bhgt[..., None].to(s_bhgtc.dtype))
     return torch.where(visible_tc, p, torch.zeros_like(p))
-
-
-def _top_n(importance_bhts: Tensor, t_local: Tensor, n: int, config: NSAConfig) -> Tensor:
-    """Forced blocks first, then the most important; ascending ids, -1 last."""
-    Ns = importance_bhts.shape[-1]
-    own = t_local // config.sel_block
-    j = torch.arange(Ns, device=importance_bhts.device)
-    valid_ts = j[None, :] <= own[:, None]
-    forced_ts = valid_ts & ((j[None, :] < config.n_initial) | (j[None, :] > own[:, None] - config.n_local))
-    score = importance_bhts.masked_fill(forced_ts, math.inf).masked_fill(~valid_ts, -math.inf)
-    # A stable descending sort keeps equal scores in index order: the documented tie-break.
-    order = torch.sort(score, dim=-1, descending=True, stable=True)
-    k = min(n, Ns)
-    top = order.indices[..., :k].masked_fill(order.values[..., :k] == -math.inf, -1)
-    if k < n:
-        top = torch.cat([top, top.new_full((*top.shape[:-1], n - k), -1)], dim=-1)
-    return sort_block_indices(top)
 
 
 def _geometry(config: NSAConfig) -> tuple[int, ...]:
