@@ -144,6 +144,11 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
     wide = head_dim > 128
     f32 = dtype == torch.float32
     if branch in ("cmp", "win"):
+        if wide and f32:
+            # Inductor's default tiles need ~272 KiB of shared memory at fp32, Dk=192 (Hopper has
+            # 227): smaller tiles, one stage in the backward. They divide the 128-wide blocks.
+            opts.update(fwd_BLOCK_M=64, fwd_BLOCK_N=32, fwd_num_warps=4, fwd_num_stages=2, bwd_BLOCK_M1=16,
+                        bwd_BLOCK_N1=32, bwd_BLOCK_M2=32, bwd_BLOCK_N2=16, bwd_num_warps=4, bwd_num_stages=1)
         return opts
     if branch != "sel":
         raise ValueError(f"unknown branch {branch!r}; allowed: 'cmp', 'win', 'sel'")
@@ -159,6 +164,6 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
     opts.update(
         fwd_BLOCK_M=min(q_block, 64), fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,
         bwd_BLOCK_M1=32 if wide_bwd else 16, bwd_BLOCK_N1=block_n, bwd_BLOCK_M2=64 if wide_bwd else 16,
-        bwd_BLOCK_N2=32 if wide_bwd else 16, bwd_num_warps=4, bwd_num_stages=stages,
+        bwd_BLOCK_N2=32 if wide_bwd else 16, bwd_num_warps=4, bwd_num_stages=1 if (wide and f32) else stages,
     )
     return opts
