@@ -96,7 +96,7 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
     with torch.no_grad():
         sel_mask = selection_block_mask(sel, T, G, cfg, tiles.sel_rows(T, cfg))
         win_mask = window_block_mask(T, cfg.window, q.device, tiles.win_block, G)
-    from nsa_flex import flex as F
+    from nsa_flex.flex import branches as F
 
     def call(fn, kk, vv, mask, branch):
         return F._call(fn, q_fold, kk, vv, mask, scale, branch)
