@@ -1,15 +1,15 @@
 """Decode on the GPU: correctness of the compiled bf16 step, then one layer's step against dense SDPA.
 
-    python bench/decode_gpu.py                      # all of it: 8k..128k, B=1 and B=8
-    python bench/decode_gpu.py --contexts 64k --batches 1,8 --out runs/bench
-    python bench/decode_gpu.py --merge a.json b.json --out bench/results   # one report of split runs
+    python -m bench.decode_gpu                      # all of it: 8k..128k, B=1 and B=8
+    python -m bench.decode_gpu --contexts 64k --batches 1,8 --out runs/bench
+    python -m bench.decode_gpu --merge a.json b.json --out runs/bench   # one report of split runs
 
 First `check_decode`: prefill + 100 decode steps through torch.compile(mode="reduce-overhead")
 in bf16 (positions 937..1099, across multiples of 16, 32, 64 and 512), against the fp32
 reference forward, and `Generator` (the whole model, one CUDA graph per step) against the
 model's forward. Then the decode suite (nsa_flex.bench.decode): per (B, T) the NSA step and
 dense SDPA decode, both replayed from CUDA graphs. Results go to --out (default $OUT, else
-bench/results) as JSON + Markdown + PNG, rewritten after every configuration so a run cut
+runs/bench) as JSON + Markdown + PNG, rewritten after every configuration so a run cut
 short still leaves what it measured; the table is printed at the end. Exit status 1 if a
 check failed.
 """
@@ -32,13 +32,13 @@ from nsa_flex.bench.report import default_stem, merge_reports, write_report
 def main() -> int:
     args = parse_args()
     if args.merge:
-        return merge(args.merge, Path(args.out or "bench/results"), args.name)
+        return merge(args.merge, Path(args.out or "runs/bench"), args.name)
     if not torch.cuda.is_available() and args.device != "cpu":
         print("no CUDA device: pass --device cpu for a functional smoke run (its times mean nothing)")
         return 2
     cfg = decode_config(device=args.device, contexts=args.contexts, batches=args.batches,
                         reduce_overhead_at=args.reduce_overhead_at, check=not args.no_check)
-    out = Path(args.out or os.environ.get("OUT") or "bench/results")
+    out = Path(args.out or os.environ.get("OUT") or "runs/bench")
     stem = args.name or default_stem("decode", cfg.device)
     print(f"decode bench: {decode_summary(cfg)}; T={list(cfg.contexts)} B={list(cfg.batches)}; writing {out}/{stem}.*",
           flush=True)
@@ -107,7 +107,7 @@ def parse_args() -> argparse.Namespace:
                    help="contexts that also get the reduce-overhead row (default 64k)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     p.add_argument("--device", default=None, help="cuda (default) or cpu (smoke run)")
-    p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else runs/bench)")
     p.add_argument("--name", default=None, help="file stem (default <date>_<device>_decode)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="write one report from these runs' JSON files (no GPU needed), e.g. of a split sweep")

@@ -1,7 +1,7 @@
 """The fused decode op on the GPU: nsa_flex::decode_attend (Triton) against its torch twin and dense SDPA.
 
-    PYTHONPATH=. python3 bench/decode_kernel_gpu.py                    # 8k..128k, B=1 and 8
-    PYTHONPATH=. python3 bench/decode_kernel_gpu.py --contexts 64k --batches 1 --out runs/x
+    python -m bench.decode_kernel_gpu                    # 8k..128k, B=1 and 8
+    python -m bench.decode_kernel_gpu --contexts 64k --batches 1 --out runs/x
 
 Per (B, T), a cache of the bench shape (Hq=64, Hkv=4, D=128, bf16, the paper's l=32 d=16
 l'=64 n=16 w=512) filled with random data, the B sequences at positions T-1, T-98, ...:
@@ -20,7 +20,7 @@ l'=64 n=16 w=512) filled with random data, the B sequences at positions T-1, T-9
    called from Python once per step (host time included: what a caller of one layer sees).
    kernels / busy_us: GPU kernels per compiled step and their summed time (profiler, no graph).
 
-JSON to --out (default $OUT, else bench/results), rewritten after every configuration; a table
+JSON to --out (default $OUT, else runs/bench), rewritten after every configuration; a table
 is printed at the end.
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    out = Path(args.out or os.environ.get("OUT") or "bench/results")
+    out = Path(args.out or os.environ.get("OUT") or "runs/bench")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "decode_kernel_gpu.json"
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -211,7 +211,7 @@ def parse_args():
     parser.add_argument("--batches", type=_sizes, default=(1, 8))
     parser.add_argument("--reduce-overhead-at", type=_sizes, default=_sizes("64k"),
                         help="contexts where the mode='reduce-overhead' rows are timed too (each compiles again)")
-    parser.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
+    parser.add_argument("--out", default=None, help="output folder (default $OUT, else runs/bench)")
     return parser.parse_args()
 
 

@@ -1,6 +1,6 @@
 """Where the decode step's time goes beyond its kernels: the step and its parts, each from a CUDA graph.
 
-    PYTHONPATH=. python3 bench/decode_step_gap_gpu.py --out $OUT/step_gap.json [--cases 8:65536 1:65536]
+    python -m bench.decode_step_gap_gpu --out $OUT/step_gap.json [--cases 8:65536 1:65536]
 
 `nsa-flex bench decode` times the compiled step (nsa_flex::step_attend) from a CUDA graph of
 10 steps. At B=8, 64k that step took ~53 us while its kernels' profiled times add up to ~48.
@@ -25,8 +25,7 @@ from nsa_flex.decoding.step import _step_tensors
 from nsa_flex.ops import cache_step, decode_attend
 from nsa_flex.ops.decode import kernels as decode_triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_tiles_gpu import parse_tiles  # noqa: E402
+from bench.decode_tiles_gpu import parse_tiles
 
 
 def parts(prob: _Problem) -> dict:

@@ -1,6 +1,6 @@
 """Launch parameters of the fused decode kernels: the op alone under several tile settings, per kernel.
 
-    PYTHONPATH=. python3 bench/decode_tiles_gpu.py --out $OUT/decode_tiles.json [--cases 1:65536 8:65536]
+    python -m bench.decode_tiles_gpu --out $OUT/decode_tiles.json [--cases 1:65536 8:65536]
 
 For each case B:T (the bench shape of decode_kernel_gpu.Problem) and each variant (overrides
 of nsa_flex.ops.decode.kernels.launch_config): GPU us per op call from a CUDA graph of 20 calls,
@@ -12,19 +12,15 @@ JSON is rewritten after every variant.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from decode_kernel_gpu import Problem, time_graph  # noqa: E402
-from records import json_saver  # noqa: E402
-
-from nsa_flex.bench.decode import kernel_profile  # noqa: E402
-from nsa_flex.ops.decode.kernels import decode_attend_triton, launch_config  # noqa: E402
+from bench.common import json_saver
+from bench.decode_kernel_gpu import Problem, time_graph
+from nsa_flex.bench.decode import kernel_profile
+from nsa_flex.ops.decode.kernels import decode_attend_triton, launch_config
 
 
 def variants(B: int, Hkv: int, Tc: int, cfg) -> dict[str, dict]:

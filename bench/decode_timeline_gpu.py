@@ -1,12 +1,12 @@
 """Where a decode step's time goes, program by program: a timeline of its five kernels.
 
-    PYTHONPATH=. python3 bench/decode_timeline_gpu.py --out $OUT/timeline.json [--cases 1:65536 8:65536]
+    python -m bench.decode_timeline_gpu --out $OUT/timeline.json [--cases 1:65536 8:65536]
 
-The step (nsa_flex::step_attend's kernels: cache_step, then A, B, S and D of decode_triton)
+The step (nsa_flex::step_attend's kernels: cache_step, then A, B, S and D of nsa_flex.ops.decode.kernels)
 runs STEPS times from one CUDA graph, as the bench times it. Every program of every kernel
 stores the global timer (ns) at its entry, where its wait for the kernel ahead ended, at a
 point of its own (B: before its top n; S: once its block is known; the others: the wait's
-end again) and at its end, with its SM (decode_triton._trace). Per step and kernel the JSON holds those three
+end again) and at its end, with its SM (nsa_flex.ops.triton_utils). Per step and kernel the JSON holds those three
 times (min / median / max over the programs) relative to the step's first cache_step entry,
 and the step's period (the end of D to the end of the previous step's D). The graph is also
 timed with the stamps off, to see what they cost. A PNG draws every program of one step
@@ -30,8 +30,7 @@ from nsa_flex.ops.decode.attend import _prepare
 from nsa_flex.ops.decode.kernels import decode_attend_triton, launch_config, launch_grids
 from nsa_flex.ops.decode.phi_step import phi_params
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_tiles_gpu import parse_tiles  # noqa: E402
+from bench.decode_tiles_gpu import parse_tiles
 
 KERNELS = ("cache_step", "A", "B", "S", "D")
 STEPS = 10

@@ -1,6 +1,6 @@
 """GPU check + timing of nsa_flex (impl="flex") against dense cuDNN SDPA, in one run.
 
-    python bench/flex_gpu.py --out bench/results/flex_h200.json [--sizes 8192 16384 65536] [--groups 64:4 16:4]
+    python -m bench.flex_gpu --out runs/bench/flex.json [--sizes 8192 16384 65536] [--groups 64:4 16:4]
 
 For each (Hq:Hkv, T): a correctness check (at T=2048, against the reference), then
 median times (triton.testing.do_bench) of the whole op (compressed Flex call + selection op
@@ -16,24 +16,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import datetime
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nsa_flex import NSAConfig  # noqa: E402
-from nsa_flex.blocks import num_cmp_blocks  # noqa: E402
-from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
-from nsa_flex.flex.masks import selection_block_mask  # noqa: E402
-from nsa_flex.ops import select_blocks  # noqa: E402
-from nsa_flex.reference import nsa_reference  # noqa: E402
-from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from bench.common import bench_ms, header, inputs, peak_gib
+from nsa_flex import NSAConfig
+from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch
+from nsa_flex.flex.masks import selection_block_mask
+from nsa_flex.ops import select_blocks
+from nsa_flex.reference import nsa_reference
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
 
 START = time.monotonic()
 
@@ -50,52 +45,6 @@ class Row:
     compile_s: float | None = None
     fwd_tflops: float | None = None
     note: str = ""
-
-
-def bench_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median"))
-
-
-def peak_gib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
-def dense_cudnn(x: dict, G: int, requires_grad: bool = True):
-    """(fn, {"q", "k", "v"}): dense causal cuDNN SDPA on the op inputs x, k/v repeated to the Hq heads.
-
-    The reference every GPU script times in the same run as nsa_flex (ANCHORS.md's dense column).
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qd = x["q"].detach().transpose(1, 2).contiguous()
-    kd, vd = (x[n].detach().repeat_interleave(G, dim=2).transpose(1, 2).contiguous() for n in ("k", "v"))
-    tensors = {n: t.requires_grad_(requires_grad) for n, t in zip("qkv", (qd, kd, vd))}
-
-    def dense():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-
-    return dense, tensors
-
-
-def inputs(cfg: NSAConfig, T: int, dtype=torch.bfloat16, seed: int = 0, B: int = 1) -> dict:
-    """Random op inputs of B sequences, all taking gradients (q, k, v, k_cmp, v_cmp, gates in [0, 1))."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    Tc = num_cmp_blocks(T, cfg)
-    Hq, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(True)
-
-    return {"q": randn(B, T, Hq, Dk), "k": randn(B, T, Hkv, Dk), "v": randn(B, T, Hkv, Dv),
-            "k_cmp": randn(B, Tc, Hkv, Dk), "v_cmp": randn(B, Tc, Hkv, Dv),
-            "gates": torch.rand(B, T, Hq, 3, generator=gen, device="cuda", dtype=dtype).requires_grad_(True)}
 
 
 def nsa_flops(cfg: NSAConfig, T: int) -> float:
@@ -244,14 +193,6 @@ def allow_many_shapes() -> None:
     install_flex_tuning()
 
 
-def header(commit: str) -> dict:
-    import triton
-
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def table(rows: list) -> str:
     lines = ["| what | Hq/Hkv | T | fwd ms | fwd+bwd ms | peak GiB | fwd TFLOP/s | compile s | note |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -280,7 +221,7 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit
     install_flex_tuning()
     rows: list[Row] = []
     log: list[str] = []

@@ -2,9 +2,9 @@
 on a machine without a GPU (Triton ships ptxas): no device time spent to learn whether a
 kernel change compiles, or what it does to the occupancy that decides kernel A at B=8.
 
-    python3 bench/kernel_regs.py --cases 1:65536 8:65536 [--tiles ST=0] [--trace]
+    python -m bench.kernel_regs --cases 1:65536 8:65536 [--tiles ST=0] [--trace]
 
-The step is nsa_flex::step_attend's: cache_step's kernel, then A, B, S and D of decode_triton,
+The step is nsa_flex::step_attend's: cache_step's kernel, then A, B, S and D of nsa_flex.ops.decode.kernels,
 launched as on an H100/H200 (PDL on, bf16 tensor-core dots; the inputs live on the CPU only so
 that their shapes, strides and alignments are real). Each launch is compiled instead of run.
 """

@@ -11,7 +11,7 @@ compiled loss (as nsa_flex.training.train runs it, without the optimizer):
              comment above it).
   kernels    with --profile: one fwd+bwd under torch.profiler, CUDA time per kernel name.
 
-    python bench/memory_probe_gpu.py --out "$OUT/memory_probe.json" --shapes nsa:8192:4 dense:8192:4
+    python -m bench.memory_probe_gpu --out "$OUT/memory_probe.json" --shapes nsa:8192:4 dense:8192:4
 """
 
 from __future__ import annotations
@@ -25,15 +25,12 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from bench.flex_gpu import header  # noqa: E402
-from bench.records import json_saver  # noqa: E402
-from nsa_flex.model import MODEL_PRESETS, NSALM  # noqa: E402
-from nsa_flex.training.train import _compiled_lm_loss  # noqa: E402
-from nsa_flex.training.parallel import compile_blocks  # noqa: E402
+from bench.common import header, json_saver
+from nsa_flex.model import MODEL_PRESETS, NSALM
+from nsa_flex.training.train import _compiled_lm_loss
+from nsa_flex.training.parallel import compile_blocks
 
 MIB = 2**20
 

@@ -1,6 +1,6 @@
 """Check and time nsa_flex::select_blocks (the Triton kernel) on a CUDA GPU.
 
-    PYTHONPATH=. python3 bench/ops_select_gpu.py --out bench/results/ops_select_h200.json
+    python -m bench.ops_select_gpu --out runs/bench/ops_select.json
 
 For each shape: the kernel's indices against the torch twin's (rows identical, and rows that
 differ checked to be near-ties against fp64 importance), then the time of one call, against
@@ -16,20 +16,18 @@ import argparse
 import dataclasses
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from records import json_saver  # noqa: E402
-from select_checks import assert_same_selection, importance_scores, importance_tolerance  # noqa: E402
+from bench.common import json_saver
+from bench.select_checks import assert_same_selection, importance_scores, importance_tolerance
 
-from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks  # noqa: E402
-from nsa_flex.config import NSAConfig  # noqa: E402
-from nsa_flex.ops import select_blocks, select_blocks_torch  # noqa: E402
-from nsa_flex.ops.select import kernels as select_triton  # noqa: E402
+from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks
+from nsa_flex.config import NSAConfig
+from nsa_flex.ops import select_blocks, select_blocks_torch
+from nsa_flex.ops.select import kernels as select_triton
 
 
 @dataclasses.dataclass

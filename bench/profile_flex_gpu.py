@@ -1,6 +1,6 @@
 """Where the time of impl="flex" goes on the GPU: each step alone, tile variants, a kernel profile.
 
-    python bench/profile_flex_gpu.py --T 65536 --out $OUT [--parts steps,variants,profile,compile]
+    python -m bench.profile_flex_gpu --T 65536 --out $OUT [--parts steps,variants,profile,compile]
 
 Parts (each writes its JSON as soon as it is done, so a call cut short keeps what it measured):
   steps     every step of the eager op alone (fold, each mask build, each Flex call forward and
@@ -25,19 +25,15 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.common import bench_ms, inputs, peak_gib, run_limited
 
-from flex_gpu import bench_ms, inputs, peak_gib  # noqa: E402
-from limited import run_limited  # noqa: E402
-
-from nsa_flex import NSAConfig  # noqa: E402
-from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch  # noqa: E402
-from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, window_block_mask  # noqa: E402
-from nsa_flex.flex.masks.compressed import compressed_mask_mod  # noqa: E402
-from nsa_flex.ops import select_blocks  # noqa: E402
-from nsa_flex.flex.blockmask import grid_to_ordered, make_block_mask  # noqa: E402
-from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning  # noqa: E402
+from nsa_flex import NSAConfig
+from nsa_flex.flex import compressed_branch, fold, nsa_flex, selected_branch, window_branch
+from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
+from nsa_flex.flex.masks.compressed import compressed_mask_mod
+from nsa_flex.ops import select_blocks
+from nsa_flex.flex.blockmask import grid_to_ordered, make_block_mask
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
@@ -100,7 +96,7 @@ def part_steps(cfg: NSAConfig, T: int) -> dict:
     with torch.no_grad():
         sel_mask = selection_block_mask(sel, T, G, cfg, tiles.sel_rows(T, cfg))
         win_mask = window_block_mask(T, cfg.window, q.device, tiles.win_block, G)
-    from nsa_flex import flex as F
+    from nsa_flex.flex import branches as F
 
     def call(fn, kk, vv, mask, branch):
         return F._call(fn, q_fold, kk, vv, mask, scale, branch)
@@ -275,9 +271,9 @@ def part_profile(cfg: NSAConfig, T: int) -> dict:
 
 def part_compile(T: int, timeout_s: float) -> dict:
     code = (
-        "import time, torch, sys; sys.path.insert(0, '.');"
+        "import time, torch;"
         "from nsa_flex import NSAConfig; from nsa_flex.flex import nsa_flex; from nsa_flex.flex.tuning import install_flex_tuning;"
-        "sys.path.insert(0, 'bench'); from flex_gpu import inputs; install_flex_tuning();"
+        "from bench.common import inputs; install_flex_tuning();"
         f"cfg = NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128); x = inputs(cfg, {T});"
         "op = torch.compile(lambda **x: nsa_flex(**x, config=cfg)[0], fullgraph=True, dynamic=False);"
         "t0 = time.monotonic(); o = op(**x); torch.cuda.synchronize(); t1 = time.monotonic();"

@@ -1,13 +1,13 @@
-"""Time launch settings of the selection kernel (nsa_flex/ops/select_triton.py) on a GPU.
+"""Time launch settings of the selection kernel (nsa_flex/ops/select/kernels.py) on a GPU.
 
-    PYTHONPATH=. python3 bench/select_gpu.py --out bench/results/select_tiles_h200.json
+    python -m bench.select_gpu --out runs/bench/select_tiles.json
 
 Shapes: T = 16384 and 65536 with G = 16 (Hq = 64, Hkv = 4), and T = 65536 with G = 4
 (Hq = 16); Dk = 128, bf16, the paper's geometry (NSAConfig()). For each shape and launch
 setting (the tiles of select_blocks_triton over launch_config's; "default" is what the op runs,
 timed first as the reference): the fraction of (kv head, token) rows equal to the default's and
 to the torch twin's, the rows that differ from the twin checked to be near-ties against fp64
-importance (tests/select_checks.py), the time of the first call (compile included), then the
+importance (bench/select_checks.py), the time of the first call (compile included), then the
 median time of one call (triton.testing.do_bench). The JSON is rewritten after every setting,
 so a run cut short keeps what it measured; a Markdown table is printed at the end.
 """
@@ -16,27 +16,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ops_select_gpu import header, make_inputs, row_scores, score_flops  # noqa: E402
-from records import json_saver  # noqa: E402
-from select_checks import assert_same_selection  # noqa: E402  (ops_select_gpu puts tests/ on the path)
+from bench.common import json_saver
+from bench.ops_select_gpu import header, make_inputs, row_scores, score_flops
+from bench.select_checks import assert_same_selection
 
-from nsa_flex.config import NSAConfig  # noqa: E402
+from nsa_flex.config import NSAConfig
 from nsa_flex.ops import select_blocks_torch
-from nsa_flex.ops.select import kernels as select_triton  # noqa: E402
+from nsa_flex.ops.select import kernels as select_triton
 
 DEFAULT = {}
 BT16_W8 = {"BT": 16, "num_warps": 8, "num_stages": 3}
 BT32_W8 = {"BT": 32, "num_warps": 8, "num_stages": 3}
 # Per shape (T, Hq): named launch settings, "default" first (the reference for equality and
 # speed). Defaults: G=16 -> BT=8 (128 columns), G=4 -> BT=16 (64 columns); 4 warps, 2 stages
-# (bench/results/2026-11-22_h200_select_variants.json); the alternatives are earlier defaults
+# (docs/records/select_kernel_variants_h200.json); the alternatives are earlier defaults
 # and the runners-up there. From sm_90 builds made without a GPU (Triton 3.6), registers /
 # shared memory: G=16 BT=8 w4 168 / 66 KB with 2 stages (three programs per SM), 82 KB with 3
 # (two); BT=16 w8 stages3 about 170 / 115 KB (one), with maxnreg=128 and 2 stages 99 KB (two,

@@ -1,6 +1,6 @@
 """Selected-branch query tiles on the GPU: the whole op at several sel_q_block sizes, per shape.
 
-    python bench/tiles_gpu.py --out $OUT/tiles.json --shapes 16:2048:12:3:64 1:8192:64:4:128 \
+    python -m bench.tiles_gpu --out $OUT/tiles.json --shapes 16:2048:12:3:64 1:8192:64:4:128 \
         --variants 16 128 128n [--deadline-s 540]
 
 A shape is B:T:Hq:Hkv:D. For each one: dense causal cuDNN SDPA (k/v expanded to Hq heads), then
@@ -18,21 +18,16 @@ JSON is rewritten after every measurement, so a call cut short keeps what it mea
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.common import (bench_ms, dense_cudnn, header, kernel_table, make_inputs, parse_shape, peak_gib,
+                          row_recorder, shape_script_parser)
+from bench.flex_gpu import allow_many_shapes
 
-from flex_gpu import allow_many_shapes, bench_ms, dense_cudnn, header, peak_gib  # noqa: E402
-from host_profile_gpu import kernel_table, make_inputs, parse_shape  # noqa: E402
-from records import row_recorder, shape_script_parser  # noqa: E402
-
-from nsa_flex.flex import nsa_flex  # noqa: E402
-from nsa_flex.flex.tuning import FlexTiles  # noqa: E402
+from nsa_flex.flex import nsa_flex
+from nsa_flex.flex.tuning import FlexTiles
 
 START = time.monotonic()
 def measure(fn, x: dict, grad_out) -> dict:

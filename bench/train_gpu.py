@@ -1,10 +1,10 @@
-"""GPU evidence for training (issue 6): seeds-125m with NSA (impl flex) vs dense, one GPU, one process.
+"""Training on the GPU: seeds-125m with NSA (impl flex) vs dense, one GPU, one process.
 
 Modes (--mode; "all" runs them in this order):
   throughput  S=2048 (B=16), 8192 (B=4), 32768 (B=1) for each attention: warm-up steps, then
               timed steps; tokens/s (median step), compile time (first step) apart, peak memory
               (torch.cuda.max_memory_allocated) against nsa_flex.training.memory.estimate, and dense
-              against ANCHORS.md's dense figures.
+              against the reference dense figures (docs/results.md, "Reference figures").
   precision   N steps in bf16 and N in fp16 + GradScaler (NSA flex, S=2048, B=16): non-finite
               (skipped) steps, GradScaler skips, final loss and scale.
   curve       NSA vs dense on the same synthetic kv data: the loss of every step, and a PNG.
@@ -15,7 +15,7 @@ Results are rewritten after every configuration to OUT/train_gpu_<mode>.json and
 run cut short still leaves what it measured. Configurations that would start after
 --budget-s seconds are recorded as skipped.
 
-    python bench/train_gpu.py --mode throughput --out "$OUT"
+    python -m bench.train_gpu --mode throughput --out "$OUT"
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Run as a script from the repository root: make the in-tree package importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from nsa_flex.bench.model import ANCHOR_DENSE_TOKENS_PER_S, CUDA_SHAPES, train_settings
+from nsa_flex.training.memory import GIB, estimate
+from nsa_flex.training.train import train
+from nsa_flex.training.config import build_config
+from nsa_flex.training.metrics import read_metrics, versions
 
-from nsa_flex.bench.model import ANCHOR_DENSE_TOKENS_PER_S, CUDA_SHAPES, train_settings  # noqa: E402
-from nsa_flex.training.memory import GIB, estimate  # noqa: E402
-from nsa_flex.training.train import train  # noqa: E402
-from nsa_flex.training.config import build_config  # noqa: E402
-from nsa_flex.training.metrics import read_metrics, versions  # noqa: E402
-
-# Issue 4's (T, B); they and ANCHORS.md's dense tokens/s are shared with `nsa-flex bench model`.
+# The (T, B) of the training targets; they and the reference dense tokens/s are shared with `nsa-flex bench model`.
 SHAPES = CUDA_SHAPES
 
 

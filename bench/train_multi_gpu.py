@@ -1,6 +1,6 @@
-"""GPU evidence for issue 6's multi-GPU training: `nsa-flex train` under torchrun, DDP and FSDP2.
+"""Multi-GPU training: `nsa-flex train` under torchrun, DDP and FSDP2.
 
-    PYTHONPATH=. python3 bench/train_multi_gpu.py --out "$OUT" --gpus 2
+    python -m bench.train_multi_gpu --out "$OUT" --gpus 2
 
 For each of: one process on one GPU, torchrun DDP on --gpus GPUs, torchrun FSDP2 on --gpus
 GPUs, the same seeds-125m NSA run (impl flex, bf16, synthetic kv data, S=2048, B=16 per
@@ -21,12 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nsa_flex.training.metrics import read_metrics  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limited import run_limited  # noqa: E402
+from nsa_flex.training.metrics import read_metrics
+from bench.common import run_limited
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,7 @@ DEFAULTS = {
     # Flex call compiled and the glue eager: the whole op under torch.compile(fullgraph=True)
     # ran the 16k forward in 10 ms against about 13, but took 49 s to compile the forward and
     # over 110 s more for forward+backward, per T and mode, on an H200 with torch 2.11
-    # (bench/results/2026-11-22_h200_compile_probe.json): --compile measures it.
+    # (docs/records/op_first_call_time_h200.json): --compile measures it.
     "cuda": Defaults("bench", (8192, 16384, 32768, 65536),
                      ("nsa-flex", "dense-cudnn", "dense-flash", "flex-dense", "fla", "lucidrains"),
                      "bf16", 3, 10, 2048, False),

@@ -81,7 +81,7 @@ class DecodeBenchConfig:
 
 
 def decode_config(*, device: str | None = None, **settings) -> DecodeBenchConfig:
-    """Defaults for the device (CUDA: the ANCHORS shape, Hq=64 Hkv=4 D=128, bf16, 8k..128k,
+    """Defaults for the device (CUDA: the paper shape, Hq=64 Hkv=4 D=128, bf16, 8k..128k,
     B=1 and 8; CPU: a tiny functional smoke sweep) with the given settings (None keeps a default)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

@@ -33,7 +33,7 @@ MIB = 2**20
 CUDA_SHAPES = ((2048, 16), (8192, 4), (32768, 1))
 """(T, B) of issue 4 on CUDA: 32k tokens per step at every length (bench/train_gpu.py uses them too)."""
 ANCHOR_DENSE_TOKENS_PER_S = {2048: 567_624, 8192: 368_427, 32768: 158_170}
-"""ANCHORS.md, "Whole-model training, dense attention": tokens/s of a compiled dense 123M GPT on one H200."""
+"""docs/results.md, "Reference figures": tokens/s of a compiled dense 123M GPT on one H200."""
 TOKENS_PER_STEP = {"cuda": 32768, "cpu": 1024}
 """Default B for a T without one: max(1, these tokens // T)."""
 
@@ -135,7 +135,7 @@ def model_notes(cfg: ModelBenchConfig) -> list[str]:
     ]
     if cfg.device == "cuda":
         notes.append("peak MiB: torch.cuda.max_memory_allocated over the whole run (model, optimizer, steps). "
-                     "extra.vs_anchor_dense: dense tokens/s / ANCHORS.md's dense 123M GPT on one H200.")
+                     "extra.vs_anchor_dense: dense tokens/s / the reference dense 123M GPT on one H200 (docs/results.md).")
     else:
         notes.append("CPU run: NSA runs the reference implementation; a functional smoke test whose times are no "
                      "performance figure and no peak memory is measured. GPU figures need CUDA.")

@@ -36,7 +36,7 @@ def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row
 def merge_reports(paths: list[Path], out_dir: Path, stem: str, baseline_order: tuple[str, ...] | None = None,
                   first_only: bool = False, note: str | None = None) -> tuple[dict[str, Path | None], str]:
     """One report from the JSON files of several runs of one suite on one device (e.g. a sweep
-    split over several commands of one session): the first file's header, every file's rows in order.
+    split over several commands): the first file's header, every file's rows in order.
 
     baseline_order: recompute every speedup against the first of these impls found in the
     merged rows (each file's own speedups may use different baselines); None keeps them.

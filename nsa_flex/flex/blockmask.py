@@ -14,7 +14,7 @@ make_block_mask makes every list contiguous), and only its first `num_blocks` en
 The kv-side lists may be as narrow as the most blocks one query tile visits (n for the
 selected branch at one token per tile; measured right on an H200). The q-side lists may not:
 cut to a static bound below the number of query tiles, dK/dV came out wrong by 1e3-1e5 on
-torch 2.11 (bench/results/2026-11-22_h200_flex_gpu_tests_narrow_q_lists_reverted.txt), so
+torch 2.11 (docs/records/flex_narrow_q_lists_h200.txt), so
 they stay as wide as the query tiles (1.1 GiB of int32 each at T=64k, G=16, Hkv=4). Only
 `BlockMask.to_dense` / `from_kv_blocks` read the width as the number of kv blocks; nsa-flex
 calls neither on these masks.
@@ -38,7 +38,7 @@ def make_block_mask(seq_lengths, kv, full_kv, q, full_q, block_size, mask_mod) -
     kv, full_kv, q, full_q are (num_blocks, indices) pairs; the full ones may be (None, None).
     Every index tensor is made contiguous: Flex's kernels step through a list assuming its
     last dim has stride 1, and a transposed view there gave wrong dK/dV on an H200 with no error
-    (bench/results/2026-11-22_h200_debug_window_bwd.json).
+    (docs/records/flex_window_bwd_masks_h200.json).
     """
     kv, full_kv, q, full_q = (tuple(None if x is None else x.contiguous() for x in pair)
                               for pair in (kv, full_kv, q, full_q))
@@ -218,7 +218,7 @@ def query_chunks(rows: int, q_block: int, max_chunks: int, min_rows: int) -> int
     extra heads (keys copied per chunk: T/16 of them, cheap) gives chunks times more,
     shorter programs, and autograd sums the copies' gradients. On an H200 at T=64k, G=16
     the compressed branch's forward+backward went from 67.1 to 46.4 ms with 16 chunks
-    (bench/results/2026-11-22_h200_profile_variants_T65536_run1.json). The largest power of two
+    (docs/records/flex_branch_variants_64k_h200.json). The largest power of two
     <= max_chunks that divides rows into whole q_block tiles of at least min_rows rows each.
     """
     chunks = 1

@@ -5,7 +5,7 @@ compressed Flex call (with lse) -> selection op -> selected Flex call -> window 
 [B, Hkv, T*G, D] (row t*G + g = query head h*G + g at token t), so none goes through
 FlexAttention's enable_gqa path: on torch 2.11 that path gave wrong dK/dV for the window
 branch in several configurations, while the folded selected branch was right in all
-(bench/results/flex_gpu_tests.txt). Every step is traceable, so the whole op compiles
+(docs/records/flex_enable_gqa_tests_h200.txt). Every step is traceable, so the whole op compiles
 with `torch.compile(nsa_flex, fullgraph=True)` and the gated sum fuses with the unfolding.
 
 On CUDA each branch's flex call is a small function compiled once at module level
@@ -255,7 +255,7 @@ def selected_branch(q_fold, k, v, block_indices, config: NSAConfig, scale: float
     tokens (masks.selection.InitialCopies): in the backward no single program walks every
     query tile. That took 174.1 against 194.6 ms forward+backward without it at T=64k, G=16,
     and beat a separate call for those blocks merged through the lse (178.3 ms, 3.9 GiB
-    more; H200, bench/results/2026-11-22_h200_tiles_copies.json). keys: selected_keys of
+    more; H200, docs/records/flex_initial_copies_h200.json). keys: selected_keys of
     these arguments, when the caller already made them.
     """
     T = k.shape[1]

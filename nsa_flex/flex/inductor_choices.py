@@ -2,7 +2,7 @@
 
 Its own module (imported only by nsa_flex.flex.tuning.install_flex_tuning) so that importing
 nsa_flex does not import Inductor, and so the class pickles by reference: Inductor puts the
-installed choices class into its cache keys. See nsa_flex/tuning.py for why it exists.
+installed choices class into its cache keys. See nsa_flex/flex/tuning.py for why it exists.
 """
 
 from __future__ import annotations

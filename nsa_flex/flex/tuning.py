@@ -1,6 +1,6 @@
 """FlexAttention kernel tiles for the three NSA branches, and the one process-global workaround.
 
-The workaround (DESIGN.md section 3.3). Inductor lowers the flex backward by walking the
+The workaround (docs/design.md, "FlexAttention facts"). Inductor lowers the flex backward by walking the
 configs that `InductorChoices.get_flex_attention_bwd_configs` returns and drops every config
 whose tiles do not divide the BlockMask's block sizes *before* it applies the user's
 `kernel_options`. On sm90 the default backward tiles are 64-128 wide, so the selected
@@ -53,8 +53,8 @@ class FlexTiles:
     listed block is partial and the mask keeps no full-block lists, whose q-side one grows as T^2
     (kv blocks x query tiles int32: 50 MiB per layer of seeds-125m at 32k tokens). It saves that
     memory but cost time: seeds-125m's training step at T=32768 took 353 against 304 ms (H200,
-    bench/results/2026-11-22_h200_ab32k_*.json; the op alone: 33.5 against 32.9 ms fwd+bwd,
-    ..._tiles_full_lists.json)."""
+    docs/records/model_32k_{full_lists,no_full_lists}_h200.json; the op alone: 33.5 against 32.9 ms
+    fwd+bwd, docs/records/flex_sel_full_lists_h200.json)."""
 
     def __post_init__(self) -> None:
         for name in ("cmp_block", "win_block"):
@@ -75,8 +75,8 @@ class FlexTiles:
         """Whether the initial blocks' keys are split over copies at length T (split_initial, or by length).
 
         The split pays where block 0's backward program would walk very many query tiles
-        (174.1 against 194.6 ms forward+backward at T=64k, G=16: bench/results/
-        2026-11-22_h200_tiles_copies.json); at T <= 2*n*l' one copy would serve every token.
+        (174.1 against 194.6 ms forward+backward at T=64k, G=16:
+        docs/records/flex_initial_copies_h200.json); at T <= 2*n*l' one copy would serve every token.
         """
         return (not is_short(T, config)) if self.split_initial is None else self.split_initial
 
@@ -89,7 +89,7 @@ class FlexTiles:
         better MMAs: at T=2048, B=16, G=4 the whole op took 4.9 ms of GPU time forward+backward
         against 7.9 with 16-row tiles. At longer T a token's blocks are a small random share,
         the union grows with every token, and 16 rows win: 23 vs 29 ms at T=8192, G=4, and 8.9
-        vs 16.7 ms at T=4096, G=16 (H200, bench/results/2026-11-22_h200_tiles{2,3}.json).
+        vs 16.7 ms at T=4096, G=16 (H200, docs/records/flex_sel_rows{,_4k}_h200.json).
         """
         if self.sel_q_block is not None:
             return self.sel_q_block
@@ -159,7 +159,7 @@ def branch_kernel_options(branch: str, head_dim: int, dtype: torch.dtype, *, q_b
     stages = 2 if (wide or f32) else 3
     # Backward: dK/dV loop (M1 query rows per step over N1 keys), dQ loop (M2 rows, N2 keys);
     # Triton needs N1 % M1 == 0 and M2 % N2 == 0. Query tiles of 64+ rows take wider ones:
-    # 4.9 against 7.0 ms forward+backward at T=2048, G=4 with 128-row tiles (tiles2.json).
+    # 4.9 against 7.0 ms forward+backward at T=2048, G=4 with 128-row tiles (docs/records/flex_sel_rows_h200.json).
     wide_bwd = q_block >= 64 and not (wide or f32)
     opts.update(
         fwd_BLOCK_M=min(q_block, 64), fwd_BLOCK_N=block_n, fwd_num_warps=4, fwd_num_stages=stages,

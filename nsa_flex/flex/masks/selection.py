@@ -204,7 +204,7 @@ def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConf
     # Column lists as wide as the number of query tiles. Random selections bound only one of
     # the two lists (at one token per tile a block is partial for its own tokens' tiles alone),
     # but Flex's backward on torch 2.11 gave wrong dK/dV with any q-side list cut below the
-    # number of tiles (bench/results/2026-11-22_h200_flex_gpu_tests_narrow_q_lists_reverted.txt).
+    # number of tiles (docs/records/flex_narrow_q_lists_h200.txt).
     partial_q = transpose_blocks(*partial_kv, n_blocks, n_tiles)
     if full_blocks:
         full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)

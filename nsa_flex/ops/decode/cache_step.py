@@ -4,18 +4,16 @@ A decode step writes the new token's keys/values into the cache (the selected br
 window's where they are separate, and the cmp branch's un-rotated ones into the tail ring)
 and, one step in d, compresses the block that token completes (phi, as nsa_flex::phi_step).
 As separate ops that was an Inductor scatter kernel and one phi_step launch each for k and
-v; on an H200 at B=1 each launch costs ~1.7 us of a ~33 us step, mostly latency
-(bench/results/2026-11-22_h200_decode_v4.json). Here one Triton launch writes the tokens and,
+v; on an H200 at B=1 each launch cost ~1.7 us of a ~33 us step, mostly latency
+(docs/records/decode_separate_cache_ops_h200.json). Here one Triton launch writes the tokens and,
 where a block completes, runs phi as two matmuls over blocks of (sequence, kv head) rows, w1
 split by tokens over several programs (_phi_rows). The programs of a block of rows count
 themselves in NSACache.phi_count; the last finishes phi.
 
-phi in one program per head, going over w1 (1 MB at H1 = D = 128) one tile after another,
-took ~28 us where a block completed; the next kernels (the compressed pass waits for the new
-entry) waited for it, which cost the step ~2 us on average over 16 steps at 64k. Split over
-programs and read once per chunk for all rows, the cache update costs the step 0.5 us at
-B=8 (45.5 against 45.0 us for the attention alone) and 1.5 us at B=1 (16.9 against 15.4;
-bench/results/2026-11-25_h200_phi_split_s12.json).
+Why the split: phi in one program per head, going over w1 (1 MB at H1 = D = 128) tile after
+tile, took ~28 us where a block completed, and the compressed pass waits for the new entry.
+Split over programs, the cache update costs the step 0.5 us at B=8 and 1.5 us at B=1, 64k
+(docs/decisions.md, "Decode: the cache update").
 
 Off CUDA, without Triton, or with head/hidden widths that are not powers of two >= 16 (the
 phi kernel's tiles), the op runs its torch twin: the scatter writes (write_token_torch) and
@@ -280,18 +278,7 @@ if kernels.HAS_TRITON:
         bias and GELU, multiplies by w2 and stores the fresh rows' entries, and sets the count
         back to 0 for the next block. Rounding as the module's (see phi_step): inputs and the
         hidden layer in w1's dtype, products summed in fp32.
-
-        Measured on the H200 at 64k: a call that completes a block (with a fill kernel before
-        it), and the step, at B=8 / B=1 (bench/results/2026-11-25_h200_phi_split_s12.json):
-
-        | phi                                             | call           | step                 |
-        |-------------------------------------------------|---------------:|---------------------:|
-        | a program per head, the chunks in turn (*)      | 28 / 28 us     | 48.2 / 18.6 us       |
-        | 8 programs per head, elementwise (**)           | 16-19 / 8-9    | 46.6-46.7 / 16.9-17.7 |
-        | 16 programs per sequence, its heads, elementwise | 18-23 / 13-17 | 46.7-47.2 / 17.0-17.3 |
-        | these matmuls, 16 programs per block of rows    | 11.2 / 8.8     | 45.5 / 16.9          |
-
-        (*) the kernel before went over the tokens in turn; (**) w1 read by every head, 64 MB at B=8."""
+        The layouts measured against this one: docs/decisions.md, "Decode: the cache update"."""
         dtype = w1_ptr.dtype.element_ty
         KC: tl.constexpr = TPC * D
         kk = tl.arange(0, KC)

@@ -3,123 +3,35 @@
 The G query heads of a kv head share its keys and its selection, so every program takes them
 as the rows of one tile ([G', D], G' = G rounded up to a power of two, at least 16 for tl.dot).
 
-A  compressed split-K and window, grid (B*Hkv, SPLITS + window chunks). A compressed program
-   takes a range of tiles of the entries visible at pos (entry i iff i*d + l - 1 <= pos); a
-   tile holds BCL = R * (BC // R) entries (R = l'/d), i.e. whole selection blocks. Besides its
-   flash partial (m, l, acc) it folds each tile's probabilities onto selection blocks right
-   away: with p = exp(s - m_t) (m_t: the running max after the tile, stored), it stores
-   P_t = p @ W [G, JS], W[c, j] the number of d-token chunks entry c shares with block j
-   (a tile's entries reach JS - BCL/R blocks into the next tile). A window program attends
-   over one chunk of the last w tokens. Nothing of size G x Tc is written: the earlier design
-   stored every score and a second kernel re-read them.
-   The fold dot costs A ~3 us of 27 at B=8, 64k (measured by leaving it out). Measured and
-   dropped (H200, 64k, ..._decode_tiles_v5_*.json, ..._decode_tiles_v5d_fast_fold.json): the
-   fold as sums over a [rows, blocks, R] reshape (A 1 us faster at B=1 but 1 us slower at B=8,
-   and B, which then gathers two columns per block, 1.4 / 3 us slower); the dot in tf32x3
-   (A 31.7 against 26.9 us at B=8); the dot over the tile's 16 blocks and the one block past
-   it by row sums (A 33 against 27 us at B=8, ..._decode_tiles_v5e_spill_sums.json; now tile
-   key FS, on at B=1: the 33 us was 144 registers, 3 programs per SM, see launch_config); tiles of
-   15 blocks, so that the fold needs 16 columns (A 37 against 27 us at B=8: 60-entry tiles load
-   misaligned, ..._decode_tiles_v5_jt15.json); the window programs in S's grid (S 11.8 against
-   8.4 us).
-B  importance and top n, grid (B*Hkv, tile groups): lse of each row from A's partials; the
-   importance of selection block j = sum over rows g and the tiles t reaching j of
-   exp(m_t[g] - lse[g]) P_t[g, j], as the selection key of select_blocks_one (score bits above
-   the reversed block id, so ties go to the lower id and a key names its block; forced blocks
-   score +inf, blocks after the query's own are out). A program stores the top n of its TI
-   tiles' keys (a bitonic tl.topk): every key of the kv head's top n is among them. The last
-   program of the kv head to finish (an atomic count; A zeroes the counters) takes the top n
-   of all its programs' candidates; or with ST (the default) each of S's programs does.
-   B issues the loads of its tiles' folds before it uses the lse's partials, so that they are
-   one round trip after its wait (the keys 1.8-2.2 us after its release against 2.0-2.9 at B=1,
-   64k on an H100; the step the same within noise, ..._h100_decode_timeline_bloads_s13.json).
-   Measured and dropped (H100, session 13, commit afcb61f, ..._h100_decode_step_sb_s13.json): SB,
-   B not launched and each of S's programs ranking every block itself (lse, importance, and a
-   top n of 1024 keys per group of 64 tiles): correct, but the step took 91 us against 17 at
-   B=1, 64k, 19 against 13 at 8k; the per-program timeline showed the ranking taking ~76 us
-   (Triton's bitonic top n of 1024 keys in one program; B spreads 128 keys over each of 9).
-   Measured and dropped (H200, 64k; ..._decode_tiles_v4.json, ..._decode_tiles_v5*.json): a
-   separate top-n kernel ranking each block against the candidates of the n tiles with the
-   largest maxima (C: 2.6 + 5.6 us at B=1, 3.9 + 14.3 at B=8); that rank in the tail (B 13 us
-   at B=1); a tail sorting the tile maxima, then those tiles' keys (B 5.3 / 7.1 us); the
-   selected branch folded into C (13.6 us against 5.6 + 3.1).
-S  selected branch, grid (B*Hkv, n), or (B*Hkv, NW + n) with WS: each program attends over one
-   chosen block's tokens <= pos; with WS the window chunks come first, and run before S waits
-   for B. With ST a selected program first takes the top n of B's candidates (as B's last
-   program would) and stores the id of the block in its slot.
-   Two or four blocks per program were no faster (S 8.2 / 10.9 against 7.8 us at B=8, 64k;
-   ..._decode_tiles_v5_sel_blocks_per_program.json).
-D  combine, grid (B*Hkv, G): merges A's compressed partials, S's selected and A's window
-   partials (a softmax each), applies the gates in fp32 and writes o in q's dtype. With
-   advance, its first program then adds 1 to pos (the readers, A, B and S, are done), which
-   saves a decode step its lengths kernel. The gates and (advancing) the first 128 lengths
-   come from before the op and are read before D's wait: after it only S's partials are a
-   round trip. At B=1, 64k D's one warp holds A's 65 partials in 255 registers and spills
-   424 bytes (ptxas, bench/kernel_regs.py); that merge runs before the wait, off the step's
-   path, and 2, 4 or 8 warps were no faster (the step 16.6-17.8 us either way, 19.7 with 8;
-   ..._h100_decode_step_dw_s13.json, ..._h100_decode_step_bloads_s13.json).
+A  compressed split-K (and the window at larger batches), grid (B*Hkv, SPLITS + window chunks).
+   A program takes tiles of the entries visible at pos (entry i iff i*d + l - 1 <= pos), each
+   tile whole selection blocks. Besides its flash partial (m, l, acc) it folds each tile's
+   probabilities onto selection blocks at once, P_t = exp(s - m_t) @ W [G, JS] (W[c, j]: the
+   d-token chunks entry c shares with block j), so nothing of size G x Tc is written.
+B  importance and top n, grid (B*Hkv, tile groups): the importance of block j is
+   sum over rows g and tiles t of exp(m_t[g] - lse[g]) P_t[g, j], packed as a selection key
+   (score bits above the reversed block id: ties go to the lower id; forced blocks +inf, blocks
+   after the query's own out). Each program keeps the top n of its tiles' keys (bitonic tl.topk).
+S  selected branch, grid (B*Hkv, n) or (B*Hkv, NW + n) with WS (the window chunks first, which
+   need nothing of B). With ST each selected program takes the top n of B's candidates itself.
+D  combine, grid (B*Hkv, G): softmax-merges the compressed, selected and window partials,
+   applies the gates in fp32, writes o in q's dtype; with advance it then adds 1 to pos.
 
-Programmatic dependent launch (PDL, sm_90+; pdl_wait): each kernel, cache_step's included, is
-launched before the one ahead of it ends, waits for it (griddepcontrol.wait), then lets the next
-one launch. Before its wait a kernel does what needs nothing of the kernel just ahead: B and S
-load pos and q, S's window programs (WS) run whole, D merges A's partials; after the op's own
-cache update (after_cache_step, nsa_flex::step_attend) A's compressed programs also read q, pos
-and the compressed tiles (the step ~1 us shorter); only the program holding the newest entry
-waits first, and only where pos completes a block, so that cache_step's kernel wrote that entry
-(the step 19.5 against 19.9-20.6 us at B=1, ..._decode_step_sweep_b1_s11.json). Measured and
-dropped (commit 1604b86, ..._decode_step_launch_first_s11.json): cache_step's kernel letting A
-launch before its own wait, A then waiting first: the step 50.5 against 49.1 us at B=8 and
-20.7 against 19.9 at B=1, 64k. A's programs are then resident when cache_step's wait ends,
-but A no longer computes while cache_step's kernel runs. (A computing before its wait as well
-would need pos advanced before D, and A's stores all after its wait.) Then a completed block's
-phi still took ~28 us, which A waited for in full; measured again after phi's split (commit
-cca86cc, ..._decode_step_launch_first_s12.json): 17.0-17.1 us either way at B=1, 47.4 against
-45.8 at B=8. On the H200 at 64k
-the op takes 17.4 us against 19.1 without PDL at B=1, and no less at B=8 (45-48 us either
-way); the compiled step 21.7 against 24.5 us at B=1 (..._decode_tiles_s10*.json,
-..._decode_s10.json). Inductor drops launch_pdl when it launches a triton_op's kernels, so the
-ops are custom_ops. A kernel change to remember: a store at A's start took it from 128
-registers to 140, 4 programs per SM to 3, and A from 27 to 36 us at B=8, 64k; capping A's
-registers (maxnreg 80-112) or one stage were all slower (..._tiles_s10_sweep_b8_regs.json).
+Programmatic dependent launch (PDL, sm_90+; triton_utils.pdl_wait): each kernel is launched
+before the one ahead of it ends and does what needs nothing of it before it waits (B and S
+load pos and q, WS's window programs run whole, D merges A's partials; after the op's own
+cache update A's compressed programs read q, pos and the older entries). Inductor drops
+launch_pdl when it launches a triton_op's kernels, so the decode ops are custom_ops.
 
-B's work in A's tail, measured and dropped (H200, 64k, commit 1cf28ef,
-bench/results/2026-11-25_h200_decode_step_variants_s11_at_tma.json): the last compressed
-program of each kv head to finish (an atomic count that cache_step's kernel zeroed) took the
-importance and top n of all the head's blocks, group by group, and B was not launched. One
-program doing the eight groups of the head in turn made the step 68 us against 20 at B=1, and
-118 against 52 at B=8: the importance and top n, latency-bound in B's 5 us, are eight times
-that in one program.
+Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot, as
+flash does; the fold dot runs in fp32 so that near-ties select as the fp32 reference does.
+Scratch (partials, folded probabilities, counters) is allocated per call, so under
+torch.compile it lives in the CUDA graph's pool. Work depends on pos (a tensor), never the
+grid: one graph serves every position.
 
-One launch instead of four, measured and dropped (H200, 64k, commit 88b130e,
-bench/results/2026-11-24_h200_decode_fused_v*): a kernel whose programs take work items (A,
-then B, S, D) by an atomic ticket and wait on a per-row count for the items they read. Waits
-only ever point at earlier tickets, so it cannot hang whatever order programs start in. It ran
-correctly (GPU tests passed) but slower: 34 us at B=1 and 65 us at B=8 with one program per
-item, 42 / 89 us with a persistent grid (3 programs per SM; the loop took 255 registers and
-150 spills), against 19 / 55 us for the four launches in the same runs. A per-program timeline
-(globaltimer) showed A finishing as fast as alone (~7 us at B=1), but every B, S and D item
-taking 2-3x its time in its own kernel (a B item 8.5 us, a D item 5 us with nothing else
-running). Polling with atomics, volatile loads or ld.acquire, and backing off with nanosleep,
-changed nothing. The fused cubin is 430 KB, the four kernels' together as large; a likely cause
-is that the phases' code no longer stays in the SMs' instruction caches. Not measured.
-
-A handover by counters instead of PDL's grid-wide wait, measured and dropped (H100, session 13,
-bench/pdl_probe_gpu.py, ..._h100_pdl_probe_flags_s13.json): each kernel of a chain lets the next
-launch at once and spins (acquiring atomic) until every program of the kernel ahead has counted
-itself in. Per kernel of a chain of trivial kernels from a CUDA graph it cost 1.5-4.7 us against
-PDL's 1.1-1.7 (plain launches 1.4-2.0), slower at every size tried (64-512 programs).
-
-Scores and softmax in fp32; probabilities are rounded to the cache dtype before the PV dot,
-as flash does; the fold dot runs in fp32 (ieee). On tensor cores (tf32, or p in bf16; a
-switch not kept) it made A 1 us faster at B=1 but no faster at B=8, 64k, and 2-4 us slower at
-128k (the op 18.7 / 48.7 / 73.4 us against 18.8 / 47.3 / 69.5 at B=1 64k / B=8 64k / B=8 128k;
-..._decode_tiles_s9_fold_tensor_cores.json): not worth a selection that leaves fp32's at
-near-ties. Scratch (partials, folded probabilities, counters) is allocated per call, so under
-torch.compile it lives in the CUDA graph's pool.
-Work depends on pos (a tensor), never the grid: one graph serves every position.
-
-Limits: the tail sorts cdiv(T / l' / JT, TI) * next_pow2(n) candidates in one program (256 at
+Limits: the top n sorts cdiv(T / l' / JT, TI) * next_pow2(n) candidates in one program (256 at
 64k tokens, 512 at 128k); far longer caches want a second level of candidates.
+The tile settings and the variants measured and dropped: docs/decisions.md, "Decode kernels".
 """
 
 from __future__ import annotations
@@ -141,10 +53,8 @@ except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its t
     HAS_TRITON = False
 
 _TARGET_PROGRAMS = 512
-"""Kernel A programs to aim for (about four per SM on an H100/H200): sets the split count. At
-B=8 (32 kv heads) 16 splits beat 32 by 3 us at 64k and 128k (A's work per program against the
-partials D merges); at B=1 the split count is capped by the tiles (64 at 64k), the best of 8-64
-(bench/results/2026-11-22_h200_decode_tiles_v4.json)."""
+"""Kernel A programs to aim for (about four per SM on an H100/H200): sets the split count
+(docs/decisions.md, "Decode kernels")."""
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
              "FS", "TMA", "ST", "SREG")
@@ -163,46 +73,15 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     SPLITS of A, BN tokens per tile of S and of A's window programs, WCH window tokens per
     window program (one selection block's worth, so selection and window programs do equal
     work); TI tiles per importance program (raised to hold at least n blocks); warps: IW of
-    B, SW of S, DW of D, num_warps (and num_stages) of A.
+    B, SW of S, DW of D (one warp up to ~100 partials per row), num_warps (and num_stages) of A.
 
-    Measured on the H200 at 64k (bench/results/2026-11-24_h200_decode_tiles_v5_*.json): D with
-    one warp took 3.1 / 3.5 us against 4.3 / 6.9 with four at B=1 / B=8 (40 and 88 partials per
-    row), but 12.5 us at B=1, 128k (152 partials), hence the warps by partial count; B with
-    128 keys per program (TI=8) 5.0 / 6.3 us against 5.7 / 7.9 with 64; other warp counts of
-    B and S were no faster.
-
-    PDL: programmatic dependent launch (sm_90 and newer; see pdl_wait): the op 17.4 / 18.4 us
-    against 19.1 / 19.3 without at B=1 (64k, from a CUDA graph; each variant timed first and last
-    in one run), 45.3 / 47.6 at B=8, where it makes no difference (47-48 either way). WS: the
-    window programs in S's grid, before S waits for B, instead of A's. Equal within the ~1 us
-    noise at B=1 (17.7 us with A's) and at B=8 (45.5 us with WS and 16 splits); kept for B*Hkv
-    <= 16, where S's grid has room (bench/results/2026-11-25_h200_decode_tiles_s10_sweep_b*.json).
-    Other splits (8-24), 3 stages, 8 warps, BN=32 were no faster at B=8. maxnreg caps A's
-    registers (a measurement knob: every cap tried was slower).
-
-    FS: A's fold dot over the tile's own JT blocks only (16 columns instead of 32), the one or
-    two columns its last entries reach past them by row sums. The op 16.6 / 16.7 us against
-    18.4 / 18.5 at B=1, 64k. At B=8 it needs 144 registers (3 programs per SM): A 32.9 against
-    27.2 us; capped at 128 (20 bytes of spills) A takes 27.35 us, as without FS, so the fold's
-    FMA count does not bound A there (..._tiles_s10_sweep_fs.json). Hence FS up to 4 kv heads,
-    where A's grid is one wave either way.
-
-    TMA: A's compressed tiles through tensor descriptors (cp.async.bulk.tensor, unmasked; see
-    decode_attend for what the entries past the visible ones must hold). Fewer load and
-    address instructions: A 26.1 / 26.3 us against 26.9 / 27.4 at B=8, 64k and 43.3 / 42.9
-    against 45.0 / 44.9 at 128k; the step 49.9 against 52.1 / 52.2 us at B=8, 64k. At B=1 no
-    gain (A 5.6 against 5.7 us, the step 20.2 against 19.9-20.6), so it is on past 16 kv heads
-    (..._decode_tiles_s11_tma.json, ..._decode_step_variants_s11_at_tma.json). With TMA, A with
-    FS takes 128 registers instead of 142.
-
-    ST: B's programs store their top n and stop; each of S's selected programs takes the top n
-    of those candidates itself and attends over the block in its slot, so that B loses its
-    count, its last program and one store-load round trip. The step 18.5 / 18.6 us against
-    19.9 / 20.1 at B=1, 64k (..._decode_step_st_s11.json). At B=8 S then needs 142 registers,
-    3 programs per SM instead of 4 (49.4 against 49.0 / 49.1 us); SREG caps S's registers, and
-    with ST and SREG=128 (no spills) the step takes 48.1 / 47.9 against 48.8 / 48.7 us
-    (..._decode_step_st_b8_s11.json). So ST is on, and SREG=128 past 16 kv heads (at B=1 S
-    takes 128 uncapped)."""
+    Switches (0/1), each on where it measured faster (docs/decisions.md, "Decode kernels"):
+    PDL, programmatic dependent launch; WS, the window programs in S's grid, before S waits
+    (B*Hkv <= 16); FS, A's fold dot over the tile's own blocks only, the columns past them by
+    row sums (B*Hkv <= 4, where A's grid is one wave either way); TMA, A's compressed tiles
+    through tensor descriptors (B*Hkv > 16); ST, S's programs take the top n themselves;
+    SREG, a cap on S's registers (128 past 16 kv heads, so that 4 programs fit an SM);
+    maxnreg caps A's registers (a measurement knob: every cap tried was slower)."""
     R = config.sel_block // config.cmp_stride
     BC = max(64, _next_pow2(R))
     BN = max(16, min(64, _next_pow2(config.sel_block)))

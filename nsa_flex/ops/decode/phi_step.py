@@ -4,7 +4,7 @@ A decode step of token pos completes compression block (pos + 1 - l) / d when po
 (pos + 1 - l) % d == 0: one step in d. The batched tensor path (nsa_flex.decoding.step) runs phi's two
 Linear layers for every sequence on every step and keeps the result by a masked write, because
 a CUDA graph cannot branch on the host; on an H200 those cuBLAS GEMMs (split-K and its reduce)
-were ~16 of the 56 us of a B=1 step at 64k (bench/results/2026-11-22_h200_decode_v2.json).
+were ~16 of the 56 us of a B=1 step at 64k (docs/records/decode_batched_ops_h200.json).
 Here one Triton program per (sequence, kv head) reads pos, returns at once unless its block
 completed, and otherwise gathers the block from the tail ring, adds the position encoding and
 runs Linear -> GELU -> Linear itself, writing the entry into the compressed cache. The

@@ -6,11 +6,10 @@ follows cache_step's for certain, and that kernel wrote only the token at pos an
 compressed entry the token completes. So A's compressed programs read q, pos and the older
 compressed entries before they wait for it (programmatic dependent launch; see
 triton_utils.pdl_wait), where decode_attend on its own has to wait first: the kernel
-before it may have written anything. On the H200 cache_step cost the step ~4 us, against its
-kernel's 1.4-1.8 us (bench/results/2026-11-25_h200_decode_step_gap.json); in one op ~3 us, most
-of it the ~28 us that phi took once every 16 steps, where A's holder of the new entry waits for
-it. With phi split over programs (cache_step) the update costs the step 0.5 us at B=8 and
-1.5 us at B=1, 64k (bench/results/2026-11-25_h200_phi_split_s12.json).
+before it may have written anything. As two ops the cache update cost the step ~4 us on an
+H200, against its kernel's 1.4-1.8 us (docs/records/decode_step_gap_h200.json); in this op,
+with phi split over programs, 0.5 us at B=8 and 1.5 us at B=1, 64k
+(docs/records/decode_phi_split_h200.json).
 
 Off CUDA both halves run their torch twins, as the two ops do.
 """

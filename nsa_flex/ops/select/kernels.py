@@ -20,7 +20,7 @@ block, carried across tiles. This needs m <= R + 1 (l <= l' + d); the paper's l=
 l'=64 gives w0 = 2, 2, 2, 1 and w1 = 0, 0, 0, 1, i.e. the weights 1, 2, 2, 2, 1.
 
 Why this layout and these tiles: on the H200 (Triton 3.6, torch 2.11, bf16, Dk=128, paper
-geometry; bench/results/2026-11-22_h200_select_variants.json) it beat the first kernel (score
+geometry; docs/records/select_kernel_variants_h200.json) it beat the first kernel (score
 rows = (token, head) pairs, the group sum across threads) at every shape, 3.1x to 4.0x with
 launch_config's tiles, with selections equal to the torch twin's up to near-ties. See
 launch_config for the times.
@@ -54,15 +54,8 @@ def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
 
     BT tokens per program give BT * G' score columns (G' = G rounded up to a power of two; q^T
     stays in shared memory): at most 128 columns and at most 16 tokens, so G=16 -> BT=8
-    (128 columns), G=8 -> 16 (128), G=4 -> 16 (64), G <= 2 -> 16; 4 warps, 2 stages. Measured
-    on the H200 (bench/results/2026-11-22_h200_select_variants.json; bf16, Dk=128, n=16, the
-    paper's geometry; median ms per call):
-
-      T=65536 G=16: BT8 w4 stages2 6.44 (these tiles); BT8 w4 stages3 7.72; BT16 w8 stages3
-        9.21, with stages2 and maxnreg=128 7.16; the first kernel 22.09.
-      T=16384 G=16: BT8 w4 stages2 0.573; BT16 w8 stages3 0.81; the first kernel 1.77.
-      T=65536 G=4:  BT16 w4 stages3 2.91, stages2 2.95 (these tiles); BT32 w8 stages3 3.95,
-        with maxnreg=128 2.97; the first kernel 11.75.
+    (128 columns), G=8 -> 16 (128), G=4 -> 16 (64), G <= 2 -> 16; 4 warps, 2 stages: the
+    fastest settings measured on the H200 (docs/decisions.md, "The selection kernel").
 
     Fewer registers and less shared memory per program win. Built for sm_90 without a GPU
     (Triton 3.6), G=16 BT=8 with 4 warps takes 168 registers and 66 KB of shared memory with
@@ -74,8 +67,7 @@ def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
 
     BS selection blocks per tile: at least n (the top n live in one tile-wide row per token)
     and at least 16. DEPTH candidates wait per (token, tile column) between merges (DEPTH=8
-    merges half as often on random inputs, but measured 8.99 against 9.21 ms at T=65536 G=16
-    with BT16 w8 stages3).
+    merges half as often on random inputs, but was no faster).
     """
     GP = _next_pow2(G)
     BT = max(1, min(16, 128 // GP))

@@ -8,16 +8,16 @@ each GQA group, forces the first n_initial and the n_local blocks ending at the 
 drops blocks after the query's own and keeps the top n. Tie-break: equal scores take the
 lower block index first. Output [B, Hkv, T, n] int32: ascending block ids, -1 (unused) last.
 
-On CUDA the op runs a streaming Triton kernel (ops/kernels.py) that never writes the
+On CUDA the op runs a streaming Triton kernel (ops/select/kernels.py) that never writes the
 [T, Tc] score matrix; elsewhere, or without Triton, it runs the torch twin below. The choice
 is made inside the op body: a register_kernel("cpu") fallback would be skipped under
-torch.compile (DESIGN.md section 3.9).
+torch.compile (docs/design.md, "FlexAttention facts").
 
 lse base: FlexAttention's kernels work in base 2, but torch.nn.attention.flex_attention
 multiplies the lse by ln 2 before returning it (`_finalize_outputs`, `stats_are_log2`, read
 in torch 2.13). On the H200 with torch 2.11 the compiled flex_attention's lse matched the
 natural-log logsumexp to 9.5e-7 (and missed the base-2 one by 2.9;
-bench/results/ops_select_h200.json). So the op takes the lse that
+docs/records/select_op_h200.json). So the op takes the lse that
 flex_attention(..., return_lse=True) returns, as is.
 """
 
