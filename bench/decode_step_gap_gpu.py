@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
-from nsa_flex.decoding.step import _step_tensors
+from nsa_flex.bench.decode import DecodeProblem, decode_config, graph_step_times
+from nsa_flex.decoding.step import step_tensors
 from nsa_flex.ops import cache_step, decode_attend
 from nsa_flex.ops.decode import kernels as decode_triton
 
 from bench.decode_tiles_gpu import parse_tiles
 
 
-def parts(prob: _Problem) -> dict:
+def parts(prob: DecodeProblem) -> dict:
     cache, pr, gates = prob.cache, prob.pr, prob.gates
     cfg = cache.config
     B = pr.q.shape[0]
@@ -39,7 +39,7 @@ def parts(prob: _Problem) -> dict:
                              gates.reshape(B, cfg.n_kv_heads, cfg.group_size, 3), cfg, advance=True)
 
     def cache_only():
-        cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
+        cache_step(*step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
                    phi_count=cache.phi_count)
         cache.lengths.add_(1)
 
@@ -48,7 +48,7 @@ def parts(prob: _Problem) -> dict:
 
     def cache_fresh():
         cache.lengths.fill_(fresh)
-        cache_step(*_step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
+        cache_step(*step_tensors(cache, pr), cache.lengths, prob.phi_k, prob.phi_v, cfg.cmp_block, cfg.cmp_stride,
                    phi_count=cache.phi_count)
 
     compiled = []
@@ -90,7 +90,7 @@ def main() -> None:
     for case in args.cases:
         B, T = (int(x) for x in case.split(":"))
         cfg = decode_config(device="cuda", contexts=(T,), batches=(B,))
-        prob = _Problem(cfg, B, T)
+        prob = DecodeProblem(cfg, B, T)
         for name, fn in parts(prob).items():
             if args.parts is not None and name not in args.parts:
                 continue

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from nsa_flex.bench.decode import _Problem, decode_config, graph_step_times
-from nsa_flex.decoding.step import _step_tensors
-from nsa_flex.ops.decode.cache_step import _cache_step_triton, phi_chunk_tokens, phi_rows
-from nsa_flex.ops.decode.attend import _prepare
+from nsa_flex.bench.decode import DecodeProblem, decode_config, graph_step_times
+from nsa_flex.decoding.step import step_tensors
+from nsa_flex.ops.decode.cache_step import cache_step_triton, phi_chunk_tokens, phi_rows
+from nsa_flex.ops.decode.attend import prepare_inputs
 from nsa_flex.ops.decode.kernels import decode_attend_triton, launch_config, launch_grids
 from nsa_flex.ops.decode.phi_step import phi_params
 
@@ -37,15 +37,15 @@ STEPS = 10
 REPLAYS = 10
 
 
-def stepper(prob: _Problem, overrides: dict[str, int] | None = None):
+def stepper(prob: DecodeProblem, overrides: dict[str, int] | None = None):
     """(step(traces or None), programs per kernel): step_attend's work, the kernels launched
     directly so that they can take a trace buffer; overrides: launch_config keys."""
     cache, pr, cfg = prob.cache, prob.pr, prob.cache.config
     B, Hkv, G = pr.q.shape[0], cfg.n_kv_heads, cfg.group_size
-    tokens, caches = _step_tensors(cache, pr)
+    tokens, caches = step_tensors(cache, pr)
     k, v, k_win, v_win, _, _, k_cmp, v_cmp = caches
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-    q, gates, scale = _prepare(pr.q.reshape(B, Hkv, G, cfg.head_dim), k, v, k_win, v_win, k_cmp, v_cmp,
+    q, gates, scale = prepare_inputs(pr.q.reshape(B, Hkv, G, cfg.head_dim), k, v, k_win, v_win, k_cmp, v_cmp,
                                cache.lengths, prob.gates.reshape(B, Hkv, G, 3), cfg, None)
     T, Tc = k.shape[2], k_cmp.shape[2]
     tiles = {**launch_config(B, Hkv, Tc, cfg), **(overrides or {})}
@@ -56,7 +56,7 @@ def stepper(prob: _Problem, overrides: dict[str, int] | None = None):
     programs += [a * b for a, b in launch_grids(B, Hkv, T, Tc, cfg, tiles, G)]
 
     def step(trace: torch.Tensor | None = None):
-        _cache_step_triton(*tokens, *caches, cache.lengths, cache.phi_count, phi_params(prob.phi_k),
+        cache_step_triton(*tokens, *caches, cache.lengths, cache.phi_count, phi_params(prob.phi_k),
                            phi_params(prob.phi_v), cfg.cmp_block, cfg.cmp_stride,
                            trace=None if trace is None else trace[0])
         return decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, cache.lengths, gates, scale, cfg, tiles,
@@ -110,7 +110,7 @@ def main() -> None:
         B, T, *rest = case.split(":")
         B, T = int(B), int(T)
         overrides = parse_tiles(rest[0]) if rest else {}
-        prob = _Problem(decode_config(device="cuda", contexts=(T,), batches=(B,)), B, T)
+        prob = DecodeProblem(decode_config(device="cuda", contexts=(T,), batches=(B,)), B, T)
         step, programs = stepper(prob, overrides)
         traces = torch.zeros(STEPS, len(KERNELS), max(programs), 5, dtype=torch.int64, device="cuda")
         calls = iter(range(10**9))

@@ -85,8 +85,8 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
     """The rows of one step's kernels at B sequences of T cached tokens (the bench's shape and slack)."""
     from nsa_flex.bench.decode import SLACK, random_step_inputs
     from nsa_flex.config import PRESETS
-    from nsa_flex.decoding.step import _step_tensors
-    from nsa_flex.ops.decode.attend import _prepare
+    from nsa_flex.decoding.step import step_tensors
+    from nsa_flex.ops.decode.attend import prepare_inputs
     from nsa_flex.ops.decode.phi_step import phi_params
 
     # The modules, not nsa_flex.ops's functions of the same names: their wrap_triton is swapped below.
@@ -95,18 +95,18 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
     n = PRESETS["bench"]
     cache, pr, gates, phi_k, phi_v = random_step_inputs(n, B, T + SLACK, torch.bfloat16, "cpu")
     cache.lengths.fill_(T)
-    tokens, caches = _step_tensors(cache, pr)
+    tokens, caches = step_tensors(cache, pr)
     k, v, k_win, v_win, _, _, k_cmp, v_cmp = caches
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     G = n.group_size
-    q, g, scale = _prepare(pr.q.reshape(B, n.n_kv_heads, G, n.head_dim), k, v, k_win, v_win, k_cmp, v_cmp,
+    q, g, scale = prepare_inputs(pr.q.reshape(B, n.n_kv_heads, G, n.head_dim), k, v, k_win, v_win, k_cmp, v_cmp,
                            cache.lengths, gates.reshape(B, n.n_kv_heads, G, 3), n, None)
     comp = _Compiler()
     saved = dt.wrap_triton, cs.wrap_triton
     dt.wrap_triton = cs.wrap_triton = comp
     try:
         stamps = (lambda *shape: {"trace": torch.zeros(*shape, 5, dtype=torch.int64)} if trace else {})  # noqa: E731
-        cs._cache_step_triton(*tokens, *caches, cache.lengths, cache.phi_count, phi_params(phi_k),
+        cs.cache_step_triton(*tokens, *caches, cache.lengths, cache.phi_count, phi_params(phi_k),
                               phi_params(phi_v), n.cmp_block, n.cmp_stride, **stamps(4096))
         dt.decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, cache.lengths, g, scale, n, tiles,
                                 advance=True, after_cache_step=True, **stamps(4, 4096))

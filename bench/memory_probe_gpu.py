@@ -29,7 +29,7 @@ import torch
 
 from bench.common import header, json_saver
 from nsa_flex.model import MODEL_PRESETS, NSALM
-from nsa_flex.training.train import _compiled_lm_loss
+from nsa_flex.training.train import compiled_lm_loss
 from nsa_flex.training.parallel import compile_blocks
 
 MIB = 2**20
@@ -180,7 +180,7 @@ def main() -> None:
     args = p.parse_args()
     record = {"header": header(args.commit), "rows": []}
     save = json_saver(args.out, record)
-    loss_fn = _compiled_lm_loss()
+    loss_fn = compiled_lm_loss()
     for spec in args.shapes:
         attention, T, B = spec.split(":")
         T, B = int(T), int(B)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import json_saver
-from bench.select_checks import assert_same_selection, importance_scores, importance_tolerance
+from nsa_flex.ops.select.checks import assert_same_selection, importance_scores, importance_tolerance
 
 from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks
 from nsa_flex.config import NSAConfig

@@ -7,7 +7,7 @@ Shapes: T = 16384 and 65536 with G = 16 (Hq = 64, Hkv = 4), and T = 65536 with G
 setting (the tiles of select_blocks_triton over launch_config's; "default" is what the op runs,
 timed first as the reference): the fraction of (kv head, token) rows equal to the default's and
 to the torch twin's, the rows that differ from the twin checked to be near-ties against fp64
-importance (bench/select_checks.py), the time of the first call (compile included), then the
+importance (nsa_flex/ops/select/checks.py), the time of the first call (compile included), then the
 median time of one call (triton.testing.do_bench). The JSON is rewritten after every setting,
 so a run cut short keeps what it measured; a Markdown table is printed at the end.
 """
@@ -23,7 +23,7 @@ import torch
 
 from bench.common import json_saver
 from bench.ops_select_gpu import header, make_inputs, row_scores, score_flops
-from bench.select_checks import assert_same_selection
+from nsa_flex.ops.select.checks import assert_same_selection
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import select_blocks_torch

@@ -54,7 +54,7 @@ class Compressor(nn.Module):
         W (blocks + pos) + b = sum_r W_r chunk_{i+r} + (W pos + b), W_r the columns of chunk r.
         The matmul then keeps the chunks for its backward, 1x the input, where the overlapping
         blocks were l/d x (24 of 48 MiB per layer of seeds-125m at 32k tokens, H200 probe in
-        bench/results/2026-11-22_h200_memory_probe.json).
+        docs/records/model_memory_probe_before_h200.json).
         """
         B, _, H, D = x_bthd.shape
         R, d = self.config.cmp_block // self.config.cmp_stride, self.config.cmp_stride

@@ -86,7 +86,7 @@ def _require(field: str, value, ok: bool, rule: str) -> None:
 PRESETS: dict[str, NSAConfig] = {
     # The paper's layer: 64 query heads over 4 kv heads, d_k=192, d_v=128.
     "paper": NSAConfig(n_heads=64, n_kv_heads=4, head_dim=192, head_dim_v=128),
-    # The benchmark shape of ANCHORS.md: group 16, head dim 128.
+    # The benchmark shape of the reference figures (docs/results.md): group 16, head dim 128.
     "bench": NSAConfig(n_heads=64, n_kv_heads=4, head_dim=128),
     # Group 4: where no public implementation is fast.
     "g4": NSAConfig(n_heads=16, n_kv_heads=4, head_dim=128),

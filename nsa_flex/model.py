@@ -100,7 +100,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 MODEL_PRESETS: dict[str, NSAModelConfig] = {
-    # The ~125M model of the earlier implementation's production runs (ANCHORS.md): 12 layers,
+    # The ~125M model of the earlier implementation's production runs (docs/results.md, reference figures): 12 layers,
     # dim 768, 12 query heads over 3 kv heads of 64, SwiGLU 2048, vocab 32000, S=2048.
     "seeds-125m": NSAModelConfig(),
     # For CPU tests and demos. The NSA geometry is scaled down with it (l=16, d=8, l'=16,

@@ -1,4 +1,4 @@
-"""A deliberately naive NSA, written from DESIGN.md section 1, to check nsa_flex.reference.
+"""A deliberately naive NSA, written from docs/design.md section 1, to check nsa_flex.reference.
 
 Loops over batch, token and head; fp64; no masks: each query gathers the list of keys it
 may see (visible compression blocks, tokens of its selected blocks, its window); the

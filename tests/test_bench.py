@@ -66,7 +66,7 @@ def test_nsa_keys_match_reference_masks(config, T):
 
 
 def test_paper_config_keys_per_query_at_64k():
-    # ANCHORS.md: at 64k each query touches ~2048 compressed, ~1024 selected, 512 window keys.
+    # docs/results.md (floors): at 64k each query touches ~2048 compressed, ~1024 selected, 512 window keys.
     # Exactly: sel averages (n-1)*l' + (l'+1)/2 = 992.5 past the first n*l' tokens (own block partial).
     keys = nsa_keys(65536, NSAConfig())
     assert keys["cmp"] / 65536 == pytest.approx(2048, rel=0.01)

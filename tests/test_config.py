@@ -103,7 +103,7 @@ def test_presets_are_valid(name):
 
 
 def test_paper_preset():
-    # DESIGN.md section 1: 64 query heads over 4 kv heads, d_k=192, d_v=128, l=32, d=16, l'=64,
+    # docs/design.md section 1: 64 query heads over 4 kv heads, d_k=192, d_v=128, l=32, d=16, l'=64,
     # n=16, w=512, one initial and two local blocks forced.
     cfg = PRESETS["paper"]
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv) == (64, 4, 192, 128)

@@ -3,7 +3,7 @@
 Kernel tests run on CUDA (marked gpu) or, on a CPU machine, under Triton's interpreter
 (TRITON_INTERPRET=1 set before Python starts, Triton installed; skipped otherwise). The
 kernels' selection must equal the twin's as a set, up to near-ties that fp32 rounding may
-order either way (select_checks.assert_same_selection against fp64 importance). Outputs are
+order either way (nsa_flex.ops.select.checks.assert_same_selection against fp64 importance). Outputs are
 compared with an fp64 oracle run with the kernels' own selection: the kernels' error stays
 within 2x the twin's in the same dtype plus a rounding floor (half an epsilon of the output's
 scale, a few fp32 ulps of the values').
@@ -19,7 +19,7 @@ import numpy
 import pytest
 import torch
 
-from select_checks import assert_same_selection, importance_tolerance
+from nsa_flex.ops.select.checks import assert_same_selection, importance_tolerance
 
 from nsa_flex.blocks import forced_and_valid, num_cmp_blocks, num_sel_blocks, sort_block_indices
 from nsa_flex.decoding.cache import NSACache
@@ -687,11 +687,11 @@ def _caches(cache: NSACache, separate: bool):
 
 
 def _check_cache_step(dtype, separate: bool, device: str, count: bool = True, B: int = 5, **tiles):
-    """The kernel (the op on CUDA, _cache_step_triton under the interpreter, with tiles: its
+    """The kernel (the op on CUDA, cache_step_triton under the interpreter, with tiles: its
     phi_tokens and rows) against the twin (the op's body on the CPU): every write exact, each
     completed entry within a rounding of phi, nothing else touched. count: with the cache's
     phi_count (back to 0 after), else one of the kernel's own."""
-    from nsa_flex.ops.decode.cache_step import _cache_step_impl, _cache_step_triton
+    from nsa_flex.ops.decode.cache_step import _cache_step_impl, cache_step_triton
     from nsa_flex.ops.decode.phi_step import phi_params
 
     cfg, cache, tokens, pos, phi_k, phi_v = _cache_step_case(dtype, separate, device, D=32 if device == "cpu" else 128,
@@ -706,7 +706,7 @@ def _check_cache_step(dtype, separate: bool, device: str, count: bool = True, B:
     with torch.no_grad():
         _cache_step_impl(*on_cpu(tokens), *want, pos.cpu(), None, *on_cpu(params), l, d)
         if device == "cpu":
-            _cache_step_triton(*tokens, *got, pos, phi_count, params[:5], params[5:], l, d, **tiles)
+            cache_step_triton(*tokens, *got, pos, phi_count, params[:5], params[5:], l, d, **tiles)
         else:
             torch.ops.nsa_flex.cache_step(*tokens, *got, pos, phi_count, *params, l, d)
     assert not cache.phi_count.any(), "the counts must be back to 0"

@@ -27,7 +27,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # cuBLAS math by more than the reference's own error (exp2 with log2(e) folded into the scale,
 # online softmax over tiles, dK/dV summed over the group in another order): 6-8 ulps at the
 # gradient's scale were measured for dK and dK_cmp on an H200
-# (bench/results/2026-11-22_h200_flex_gpu_tests_run1.txt). A real indexing bug gave 60-110x errors.
+# (docs/decisions.md, the window branch through enable_gqa). A real indexing bug gave 60-110x errors.
 FLOOR_ULPS = {BF16: 2, FP16: 2, FP32: 16}
 
 

@@ -55,7 +55,7 @@ def test_attention_modules_and_presets():
     big = MODEL_PRESETS["seeds-125m"]
     assert (big.n_layers, big.dim, big.nsa.n_heads, big.nsa.n_kv_heads, big.nsa.head_dim, big.max_seq_len) == (
         12, 768, 12, 3, 64, 2048)
-    # ANCHORS.md's dense model has ~123M parameters; built on meta, no memory used.
+    # The reference dense model (docs/results.md) has ~123M parameters; built on meta, no memory used.
     assert NSALM(big.replace(attention="dense"), device="meta").num_params() == 123_489_024
 
 

@@ -4,7 +4,7 @@ compiled block (as training runs it) against eager.
 The module runs the op's branches, then gates, gated sum and wo as one checkpointed region
 (NSAAttention._attend_flex): the backward recomputes the gates and the sum. These tests
 check that recomputation end to end, parameters of the gate and wo included.
-Run through the device tool; output recorded under bench/results/.
+Run through the device tool; output recorded under docs/records/.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Random inputs can hold near-ties that rounding orders either way; those comparisons accept a
 differing block only when its importance is within a derived tolerance of the row's n-th best
-(select_checks.importance_tolerance). Hand-built cases (weights, ties, no compressed tokens)
+(nsa_flex.ops.select.checks.importance_tolerance). Hand-built cases (weights, ties, no compressed tokens)
 compare exactly.
 """
 
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from select_checks import assert_same_selection, importance_scores, importance_tolerance, scores_fp64, visible
+from nsa_flex.ops.select.checks import assert_same_selection, importance_scores, importance_tolerance, scores_fp64, visible
 
 from nsa_flex import reference
 from nsa_flex.blocks import num_cmp_blocks, num_sel_blocks

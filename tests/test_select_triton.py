@@ -4,7 +4,7 @@ nsa_flex.reference.select_blocks, with launch_config's tiles and with others.
 Run on CUDA (marked gpu) or, on a CPU machine, under Triton's interpreter (TRITON_INTERPRET=1
 set before Python starts, Triton installed; skipped otherwise). A kernel's selection must equal
 the twin's up to near-ties that fp32 rounding may order either way
-(select_checks.assert_same_selection against fp64 importance); hand-built cases compare exactly.
+(nsa_flex.ops.select.checks.assert_same_selection against fp64 importance); hand-built cases compare exactly.
 Small tiles (tiles=...) force many programs, tiles and queue merges on small inputs; the cases
 with DEFAULT run launch_config's tiles (G=16: BT=8 and 4 warps, also at Dk=192).
 """
@@ -17,7 +17,7 @@ import numpy
 import pytest
 import torch
 
-from select_checks import assert_same_selection
+from nsa_flex.ops.select.checks import assert_same_selection
 from test_ops_select import make_config, make_inputs, reference_selection, selection_tolerance
 
 from nsa_flex.blocks import num_cmp_blocks

@@ -162,7 +162,7 @@ def _run_config(cfg: DecodeBenchConfig, B: int, T: int, check) -> list[Row]:
     rows = []
     try:
         torch.manual_seed(cfg.seed + T + B)
-        problem = _Problem(cfg, B, T)
+        problem = DecodeProblem(cfg, B, T)
     except Exception as exc:
         free_memory(cfg.device)
         return [Row(**base, impl=name, status="error", error=describe_error(exc)) for name in impls]
@@ -207,7 +207,7 @@ def random_step_inputs(n: NSAConfig, B: int, max_len: int, dtype: torch.dtype, d
                       Compressor(n, n.dv).to(device, dtype))
 
 
-class _Problem:
+class DecodeProblem:
     """A cache holding T random tokens per sequence, one new token's projections and gates, phi."""
 
     def __init__(self, cfg: DecodeBenchConfig, B: int, T: int):
@@ -228,7 +228,7 @@ class _Problem:
         return F.scaled_dot_product_attention(q, c.k[:, :, :self.T], c.v[:, :, :self.T])
 
 
-def _time_impl(cfg: DecodeBenchConfig, problem: _Problem, name: str, base: dict) -> Row:
+def _time_impl(cfg: DecodeBenchConfig, problem: DecodeProblem, name: str, base: dict) -> Row:
     cuda = cfg.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()

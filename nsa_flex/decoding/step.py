@@ -121,7 +121,7 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
         case "op":
             # One op: the cache update, the attention, and cache.lengths advanced (on CUDA by the
             # attention's last kernel, with no launch of its own).
-            o_bhgd, blocks_bhn = step_attend(*_step_tensors(cache, pr), pos_b, phi_k, phi_v, q_bhgd, gates_bhg3, cfg,
+            o_bhgd, blocks_bhn = step_attend(*step_tensors(cache, pr), pos_b, phi_k, phi_v, q_bhgd, gates_bhg3, cfg,
                                              phi_count=cache.phi_count)
         case "torch":
             _write_token(cache, pr, pos_b)
@@ -134,7 +134,7 @@ def decode_attention(cache: NSACache, pr: Projected, gates_b1h3: torch.Tensor, p
     return o_bhgd.reshape(B, 1, cfg.n_heads, cfg.dv), blocks_bhn
 
 
-def _step_tensors(cache: NSACache, pr: Projected):
+def step_tensors(cache: NSACache, pr: Projected):
     """(tokens, caches) of one step as the cache ops take them; the window pair only when separate."""
     separate = cache.config.separate_kv
     tokens = (pr.k_sel[:, 0], pr.v_sel[:, 0], pr.k_win[:, 0] if separate else None,
@@ -145,7 +145,7 @@ def _step_tensors(cache: NSACache, pr: Projected):
 
 
 def _write_token(cache: NSACache, pr: Projected, pos_b: torch.Tensor) -> None:
-    write_token_torch(*_step_tensors(cache, pr), pos_b, cache.config.cmp_block)
+    write_token_torch(*step_tensors(cache, pr), pos_b, cache.config.cmp_block)
 
 
 def _update_compressed(cache: NSACache, pos_b: torch.Tensor, phi_k, phi_v) -> None:

@@ -34,7 +34,7 @@ DEVICES = ("auto", "cpu", "cuda")
 TRAIN_PRESETS: dict[str, dict] = {
     # Fast on a CPU: --preset tiny --steps 50 takes well under a minute with the reference NSA.
     "tiny": {"seq_len": 128, "batch_size": 8, "lr": 3e-3},
-    # The ANCHORS.md shape: S=2048, batch 16 (32k tokens per step).
+    # The reference dense-model shape (docs/results.md): S=2048, batch 16 (32k tokens per step).
     "seeds-125m": {"seq_len": 2048, "batch_size": 16, "lr": 6e-4, "warmup_steps": 100},
 }
 """Training defaults that come with a model preset (a file or flags override them)."""

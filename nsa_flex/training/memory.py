@@ -134,7 +134,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     """Bytes saved for the backward per token per layer (a = activation bytes, fp32 residual).
 
     Itemised from the tensors the compiled blocks of seeds-125m save (saved_tensors_hooks on an
-    H200, bench/results/2026-11-22_h200_memory_probe_after.json; the masks are `_mask_bytes`).
+    H200, docs/records/model_memory_probe_h200.json; the masks are `_mask_bytes`).
     Both: the fp32 residual and two normalised low-precision copies (the inputs of the q/k/v and
     MLP matmuls), SwiGLU's three F-wide tensors. Dense: q, k, v, o, lse and the copy of o that
     feeds wo. NSA with impl flex: the folded q, the selected branch's k/v (with the initial-block

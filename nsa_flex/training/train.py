@@ -34,7 +34,7 @@ from nsa_flex.training.watchdog import Watchdog
 
 
 @functools.cache
-def _compiled_lm_loss():
+def compiled_lm_loss():
     """lm_loss compiled once per process (for runs that compile their blocks). Fusing the fp32
     cast, log-softmax and NLL keeps only the bf16 logits for the backward, not fp32 copies."""
     return torch.compile(lm_loss, fullgraph=True, dynamic=False)
@@ -204,7 +204,7 @@ def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, ho
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=run.device)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.precision)
-    loss_fn = _compiled_lm_loss() if run.compile else lm_loss
+    loss_fn = compiled_lm_loss() if run.compile else lm_loss
     for micro in range(config.grad_accum):
         inputs, targets = (t.to(run.device, non_blocking=True) for t in state.batches.next())
         with par.gradient_sync(model, run.parallel, enabled=micro == config.grad_accum - 1):

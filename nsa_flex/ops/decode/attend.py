@@ -44,7 +44,7 @@ def decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSACo
     unmasked, and gives those entries probability 0, which a NaN or inf in v_cmp would turn
     into NaN.
     """
-    q, gates, scale = _prepare(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config, scale)
+    q, gates, scale = prepare_inputs(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config, scale)
     if advance and not pos.is_contiguous():
         raise ValueError("advance=True updates pos in place: pos must be contiguous")
     return torch.ops.nsa_flex.decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale,
@@ -54,7 +54,7 @@ def decode_attend(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSACo
 def decode_attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSAConfig, *,
                         scale: float | None = None) -> tuple[Tensor, Tensor]:
     """The torch twin of decode_attend, inline (Inductor compiles it): same arguments, same result."""
-    q, gates, scale = _prepare(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config, scale)
+    q, gates, scale = prepare_inputs(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config, scale)
     return _attend_torch(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale, config)
 
 
@@ -197,7 +197,7 @@ def _geometry(config: NSAConfig) -> tuple[int, ...]:
             config.n_initial, config.n_local, config.window)
 
 
-def _prepare(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSAConfig, scale):
+def prepare_inputs(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, config: NSAConfig, scale):
     """Checks the inputs (clear errors); returns (q [B,Hkv,G,Dk], gates [B,Hkv,G,3], scale)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("k_win", k_win), ("v_win", v_win), ("k_cmp", k_cmp),
                     ("v_cmp", v_cmp), ("pos", pos), ("gates", gates)):

@@ -123,7 +123,7 @@ def run_cache_step(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_
               and all(n >= 16 and n & (n - 1) == 0 for n in widths)
               and w2_k.shape[0] == k.shape[-1] and w2_v.shape[0] == v.shape[-1])
     if usable:
-        return _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos, phi_count,
+        return cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, *caches, pos, phi_count,
                                   (pe_k, w1_k, b1_k, w2_k, b2_k), (pe_v, w1_v, b1_v, w2_v, b2_v), cmp_block,
                                   cmp_stride)
     write_token_torch((k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok), caches, pos, cmp_block)
@@ -150,7 +150,7 @@ def phi_rows(rows: int) -> int:
     return min(64, max(16, kernels._next_pow2(rows)))
 
 
-def _cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
+def cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,
                        v_cmp, pos, phi_count, phi_k, phi_v, cmp_block: int, cmp_stride: int, *,
                        phi_tokens: Optional[int] = None, rows: Optional[int] = None,
                        trace: Optional[Tensor] = None) -> tuple[Tensor, ...]:

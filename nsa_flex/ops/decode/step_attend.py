@@ -23,7 +23,7 @@ from torch.library import custom_op
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops.decode.cache_step import check_phi_count, check_tokens, run_cache_step
-from nsa_flex.ops.decode.attend import _geometry, _prepare, run_decode_attend
+from nsa_flex.ops.decode.attend import _geometry, prepare_inputs, run_decode_attend
 from nsa_flex.ops.decode.phi_step import phi_params
 
 
@@ -38,7 +38,7 @@ def step_attend(tokens: tuple[Tensor, ...], caches: tuple[Optional[Tensor], ...]
     check_tokens(tokens, caches)
     check_phi_count(phi_count, caches[0])
     k, v, k_win, v_win, _, _, k_cmp, v_cmp = caches
-    q, gates, scale = _prepare(q, k, v, k if k_win is None else k_win, v if v_win is None else v_win, k_cmp, v_cmp,
+    q, gates, scale = prepare_inputs(q, k, v, k if k_win is None else k_win, v if v_win is None else v_win, k_cmp, v_cmp,
                                pos, gates, config, scale)
     if not pos.is_contiguous():
         raise ValueError("step_attend advances pos in place: pos must be contiguous")

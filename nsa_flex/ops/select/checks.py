@@ -1,6 +1,5 @@
-"""Checks of a block selection against fp64 importance scores, for bench.ops_select_gpu and bench.select_gpu.
-
-The same helpers as tests/select_checks.py (the tests' copy), until both import one public module.
+"""Checks of a block selection against fp64 importance scores: the selection op's tests and its GPU
+tools compare its output with these (a near-tie may flip; a clear winner may not).
 
 Random inputs can hold near-ties that rounding orders either way. A selection passes when it
 differs from the expected one only in blocks whose importance lies within a derived relative
