@@ -43,7 +43,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     rows = 32 if dtype == torch.float32 or max(DKP, DVP) > 128 else 64
     BT = max(1, rows // GP)
     return {"BT": BT, "fwd_chunks": 4, "bwd_chunks": 32, "fwd_warps": 4,
-            "bwd_warps": 8 if DKP + DVP > 256 else 4, "num_stages": 2}
+            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "num_stages": 2}
 
 
 def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
@@ -113,7 +113,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
             dkp, dvp, dk, dv, items.first_item, items.n_items, index.blk_start, index.blk_end, Hkv, Nv,
             *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"], DV=consts["DV"],
-            DVP=consts["DVP"], num_warps=4)
+            DVP=consts["DVP"], num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
     dq = q.new_empty(q.shape)
     _slot_sum(dqp, None, index, dq, None, merge=False)
     return dq, dk, dv
