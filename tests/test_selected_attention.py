@@ -83,13 +83,14 @@ def make_inputs(B, T, cfg: NSAConfig, dtype, seed=0, device="cpu"):
 
 
 def oracle(q, k, v, do, block_indices, cfg: NSAConfig, dtype, cu_seqlens=None):
-    """(o, dq, dk, dv) of the reference's selected branch in `dtype` (fp64: the oracle), on CPU."""
-    q, k, v, do = (x.detach().cpu().to(dtype).requires_grad_() for x in (q, k, v, do))
+    """(o, dq, dk, dv) of the reference's selected branch in `dtype` (fp64: the oracle), on q's device."""
+    q, k, v, do = (x.detach().to(dtype).requires_grad_() for x in (q, k, v, do))
+    block_indices = block_indices.to(q.device)
     bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
     G = q.shape[2] // k.shape[2]
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):
-        mask = reference._selection_mask(block_indices[:, :, s:e].cpu(), e - s, cfg).repeat_interleave(G, dim=1)
+        mask = reference._selection_mask(block_indices[:, :, s:e], e - s, cfg).repeat_interleave(G, dim=1)
         o, _ = reference._attend(q[:, s:e].transpose(1, 2), reference._heads(k[:, s:e], G, dtype),
                                  reference._heads(v[:, s:e], G, dtype), mask, q.shape[-1] ** -0.5)
         outs.append(o.transpose(1, 2))
@@ -101,7 +102,7 @@ def oracle(q, k, v, do, block_indices, cfg: NSAConfig, dtype, cu_seqlens=None):
 def assert_within(name, got, want64, low, dtype, magnitude):
     """|got - fp64| <= 2 |low - fp64| + half an epsilon of the result + 16 fp32 ulps of `magnitude`
     (the scale of the terms summed: a zero result, e.g. dq of a one-key row, has rounding too)."""
-    err = (got.detach().cpu().double() - want64.double()).abs().max().item()
+    err = (got.detach().double() - want64.double()).abs().max().item()
     ref_err = (low.double() - want64.double()).abs().max().item()
     bound = 2 * ref_err + torch.finfo(dtype).eps / 2 * want64.abs().max().item() + 16 * 2.0 ** -24 * magnitude
     assert math.isfinite(err) and err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (ref {ref_err:.3e})"
@@ -379,7 +380,7 @@ def test_kernels_gpu(T, G, Dk, Dv, dtype):
     cfg = make_config(G, Dk, Dv, 16, 64)
     q, k, v, do = make_inputs(1, T, cfg, dtype, seed=T + G, device="cuda")
     bi = random_selection(1, cfg.n_kv_heads, T, 16, 64, seed=T, drop=0.0).cuda()
-    check(run_op(q, k, v, do, bi, cfg, "auto"), q, k, v, do, bi.cpu(), cfg)
+    check(run_op(q, k, v, do, bi, cfg, "auto"), q, k, v, do, bi, cfg)
 
 
 @gpu
