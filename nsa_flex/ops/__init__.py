@@ -1,6 +1,7 @@
 """Custom ops, one folder each: the registration and its torch twin beside the Triton kernels.
 
 - `select/`: nsa_flex::select_blocks, the streaming top-n block selection of a whole sequence.
+- `selected_attention/`: nsa_flex::selected_attention, the selected branch, block-centric.
 - `decode/`: one decode step: the cache update (cache_step, with phi_step for completed blocks)
   and the fused attention of one token (decode_attend), both in one op (step_attend).
 - `triton_utils`: Triton helpers shared by several ops.
@@ -11,6 +12,7 @@ from nsa_flex.ops.decode.cache_step import cache_step
 from nsa_flex.ops.decode.phi_step import phi_step
 from nsa_flex.ops.decode.step_attend import step_attend
 from nsa_flex.ops.select.op import select_blocks, select_blocks_torch
+from nsa_flex.ops.selected_attention import selected_attention
 
 __all__ = ["cache_step", "decode_attend", "decode_attend_torch", "phi_step", "select_blocks", "select_blocks_torch",
-           "step_attend"]
+           "selected_attention", "step_attend"]

@@ -1,0 +1,141 @@
+"""The inverse of a selection: for each (batch, kv head, key block), the (token, slot) pairs that chose it.
+
+block_indices [B, Hkv, T, n] says which blocks each token reads; the block-centric kernels
+need the opposite, a list per block. Blocks are "virtual": block j of the document holding
+token t (packed documents, cu_seqlens) gets its own id with its own key range, so a single
+sequence is one document and every kernel sees a flat list of key ranges.
+
+Everything here is a pure tensor function of the inputs with sizes computable from shapes
+only (no .item(), no .tolist()): it traces under torch.compile and CUDA graphs. The list is
+built by one stable sort of B*Hkv*T*n keys (a radix sort on CUDA), so it is deterministic
+and O(T*n), with no dense [T, Nblk] intermediate.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class SelectionIndex(NamedTuple):
+    """CSR of the selection, grouped by (batch, kv head, virtual block).
+
+    Row r = (b * Hkv + h) * Nv + block. Entries hold t * n + slot, tokens ascending inside a row;
+    entries past offsets[-1] + counts[-1] are unused.
+    """
+
+    gid_bhtn: Tensor
+    """[B, Hkv, T, n] int32: the virtual block of each slot, -1 where the slot reads nothing."""
+    counts: Tensor
+    """[B*Hkv*Nv] int32: entries per row."""
+    offsets: Tensor
+    """[B*Hkv*Nv] int32: first entry of each row (exclusive cumsum of counts)."""
+    entries: Tensor
+    """[B*Hkv*T*n] int32: t * n + slot, grouped by row."""
+    blk_start: Tensor
+    """[Nv] int32: first key token of each virtual block."""
+    blk_end: Tensor
+    """[Nv] int32: one past its last key token (blk_start == blk_end for spare blocks)."""
+
+
+class WorkList(NamedTuple):
+    """Work items: spans of at most `span` entries of one row, a static number of them.
+
+    Item w covers entries [start[w], end[w]) of row blk[w]; blk[w] = -1 for surplus items.
+    Row r's items are first_item[r] .. first_item[r] + n_items[r] - 1, in entry order.
+    """
+
+    blk: Tensor
+    start: Tensor
+    end: Tensor
+    first_item: Tensor
+    n_items: Tensor
+
+
+def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
+    """Nv: a bound on the documents' blocks, sum of ceil(len_d / l') <= ceil(T / l') + n_docs."""
+    return -(-T // sel_block) + n_docs
+
+
+def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None) -> SelectionIndex:
+    """The SelectionIndex of block_indices [B, Hkv, T, n] (document-local ids with cu_seqlens, B == 1).
+
+    Slots with -1, or with a block past the end of the token's document, read nothing.
+    """
+    B, Hkv, T, n = block_indices.shape
+    device = block_indices.device
+    cu = _bounds(cu_seqlens, T, device)
+    n_docs = cu.shape[0] - 1
+    Nv = num_virtual_blocks(T, sel_block, n_docs)
+    lens = cu[1:] - cu[:-1]
+    doc_blocks = (lens + sel_block - 1) // sel_block
+    first_blk = torch.cumsum(doc_blocks, 0) - doc_blocks
+    blk_start, blk_end = _virtual_blocks(cu, doc_blocks, first_blk, Nv, sel_block)
+
+    t = torch.arange(T, device=device)
+    doc_t = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=n_docs - 1)
+    j = block_indices.long()
+    ok = (j >= 0) & (j * sel_block < lens[doc_t][:, None])
+    gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
+
+    # Row of every (b, h, t, slot); unused slots sort last into a spare row.
+    rows = B * Hkv * Nv
+    bh = torch.arange(B * Hkv, device=device).view(B, Hkv, 1, 1)
+    key = torch.where(ok, bh * Nv + gid, rows).flatten()
+    order = torch.sort(key, stable=True).indices
+    # The flat position of an entry is ((b * Hkv + h) * T + t) * n + slot: its low part is t * n + slot.
+    entries = (order % (T * n)).to(torch.int32)
+    counts = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:rows]
+    offsets = torch.cumsum(counts, 0) - counts
+    return SelectionIndex(gid.to(torch.int32), counts.to(torch.int32), offsets.to(torch.int32), entries,
+                          blk_start, blk_end)
+
+
+def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
+    """Split every row of index into items of at most span entries.
+
+    There are at most B*Hkv*(ceil(T*n / span) + Nv) items (each row wastes less than one item),
+    a bound from shapes only: the grid has that many programs and the surplus ones exit at once.
+    A long row (block 0, which every token reads) becomes many items.
+    """
+    rows = index.counts.shape[0]
+    BH = rows // index.blk_start.shape[0]
+    counts = index.counts.long()
+    n_items = (counts + span - 1) // span
+    last = torch.cumsum(n_items, 0)
+    first = last - n_items
+    W = BH * (-(-(T * n) // span) + index.blk_start.shape[0])
+    w = torch.arange(W, device=counts.device)
+    row = torch.searchsorted(last, w, right=True)
+    surplus = row >= rows
+    row = row.clamp(max=rows - 1)
+    start = index.offsets.long()[row] + (w - first[row]) * span
+    end = torch.minimum(start + span, index.offsets.long()[row] + counts[row])
+    blk = torch.where(surplus, -1, row)
+    return WorkList(blk.to(torch.int32), start.to(torch.int32), end.to(torch.int32), first.to(torch.int32),
+                    n_items.to(torch.int32))
+
+
+def _bounds(cu_seqlens: Tensor | None, T: int, device) -> Tensor:
+    """Document bounds [n_docs + 1] int64: one document [0, T) without cu_seqlens."""
+    if cu_seqlens is None:
+        return torch.tensor([0, T], dtype=torch.int64, device=device)
+    return cu_seqlens.to(device=device, dtype=torch.int64)
+
+
+def _virtual_blocks(cu: Tensor, doc_blocks: Tensor, first_blk: Tensor, Nv: int, sel_block: int):
+    """([Nv] start, [Nv] end) int32 key range of each virtual block; empty past the last document's."""
+    n_docs = cu.shape[0] - 1
+    vb = torch.arange(Nv, device=cu.device)
+    doc = torch.searchsorted(first_blk + doc_blocks, vb, right=True)
+    spare = doc >= n_docs
+    doc = doc.clamp(max=n_docs - 1)
+    start = cu[doc] + (vb - first_blk[doc]) * sel_block
+    end = torch.minimum(start + sel_block, cu[doc + 1])
+    start = torch.where(spare, 0, start)
+    end = torch.where(spare, 0, end)
+    return start.to(torch.int32), end.to(torch.int32)

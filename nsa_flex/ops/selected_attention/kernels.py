@@ -1,0 +1,237 @@
+"""Triton kernels of nsa_flex::selected_attention: block-centric forward and backward.
+
+A program takes one work item (index.WorkList): a span of the tokens that selected one key
+block. It loads the block's K [l', Dk] and V [l', Dv] once and walks the span in chunks of BT
+tokens, each chunk M = BT * G' query rows (the G heads of a kv head are adjacent in q, G'
+the next power of two, pad rows masked). So K/V are read once per BT * chunks tokens, not once
+per token as in the token-centric loop.
+
+Forward: each (token, slot) gets a block-local softmax, partial o (fp32, normalised) and
+partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel merges a token's n
+partials. Backward: P = exp(S - lse) from the global lse, dV and dK accumulate in registers
+over the item's chunks and go to an fp32 partial per item, summed per block in item order by
+_block_sum_kernel (deterministic, no atomics); dQ goes to an fp32 partial per (token, slot),
+summed over the slots by _slot_kernel.
+
+Under Triton's interpreter (CPU tests) the dots run in fp32 (F32_DOT): its dot misreads
+16-bit inputs. fp32 inputs use IEEE dots (not TF32) on the GPU.
+"""
+
+from __future__ import annotations
+
+from nsa_flex.ops.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def _dot(a, b, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
+        if F32_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            # fp32 inputs: fp32 FMA dots (slow, they spill: fp32 is the correctness path).
+            # "tf32x3" would use tensor cores but doubles the operands in shared memory:
+            # 368 KB for the backward at Dk=192 even with 16 rows (ptxas, sm_90).
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv):
+        """(valid, b, h, first entry, end entry, first key, end key) of this program's work item."""
+        w = tl.program_id(0)
+        blk = tl.load(item_blk_ptr + w)
+        valid = blk >= 0
+        blk = tl.maximum(blk, 0)
+        vb = blk % Nv
+        bh = blk // Nv
+        start = tl.load(item_start_ptr + w)
+        end = tl.where(valid, tl.load(item_end_ptr + w), start)
+        return valid, (bh // Hkv).to(tl.int64), bh % Hkv, start, end, tl.load(blk_start_ptr + vb), \
+            tl.load(blk_end_ptr + vb)
+
+    @triton.jit
+    def _block_tile(ptr, b, h, key, key_ok, s_b, s_t, s_h, D: tl.constexpr, DP: tl.constexpr):
+        """[BL, DP] rows key of head h (zero outside the block and past D)."""
+        d = tl.arange(0, DP)
+        ptrs = ptr + b * s_b + key.to(tl.int64)[:, None] * s_t + h * s_h + d[None, :]
+        return tl.load(ptrs, mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
+
+    @triton.jit
+    def _chunk_rows(entries_ptr, c0, end, h, N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                    BT: tl.constexpr):
+        """Rows (token, head) of the chunk at entry c0: token t, slot, query head, row ok. Row r is
+        entry c0 + r // G', head h * G + r % G'."""
+        r = tl.arange(0, BT * GP)
+        e_ok = c0 + r // GP < end
+        e = tl.load(entries_ptr + c0 + r // GP, mask=e_ok, other=0)
+        g = r % GP
+        return (e // N).to(tl.int64), e % N, h * G + g, e_ok & (g < G)
+
+    @triton.jit
+    def _fwd_kernel(
+        q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, entries_ptr,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, scale,
+        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h,
+        N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
+        DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """Partial o [B,T,Hq,n,Dv] and partial lse (base 2) [B,T,Hq,n] of one work item's tokens."""
+        LOG2E: tl.constexpr = 1.4426950408889634
+        valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
+                                                 blk_end_ptr, Hkv, Nv)
+        if valid:
+            key = ks + tl.arange(0, BL)
+            key_ok = key < ke
+            k_ld = _block_tile(k_ptr, b, h, key, key_ok, sk_b, sk_t, sk_h, DK, DKP)
+            v_ld = _block_tile(v_ptr, b, h, key, key_ok, sv_b, sv_t, sv_h, DV, DVP)
+            k_dl = tl.trans(k_ld)
+            dk = tl.arange(0, DKP)
+            dv = tl.arange(0, DVP)
+            # Inductor may pass the float as fp64; keep the tiles fp32.
+            scale2 = tl.cast(scale * LOG2E, tl.float32)
+            for c0 in range(start, end, BT):
+                t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
+                q_md = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
+                               mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                s = _dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= t[:, None])
+                s = tl.where(vis, s, float("-inf"))
+                m = tl.max(s, axis=1)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                p = tl.math.exp2(s - m[:, None])
+                l = tl.sum(p, axis=1)
+                acc = _dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
+                o = acc / tl.where(l > 0, l, 1.0)[:, None]
+                lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+                row = b * so_b + t * so_t + hq * so_h + slot * so_n
+                tl.store(po_ptr + row[:, None] + dv[None, :], o, mask=row_ok[:, None] & (dv[None, :] < DV))
+                tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
+
+    @triton.jit
+    def _bwd_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, scale,
+        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
+        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
+        N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
+        DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """dQ partials [B,T,Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
+
+        lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
+        """
+        LOG2E: tl.constexpr = 1.4426950408889634
+        valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
+                                                 blk_end_ptr, Hkv, Nv)
+        w = tl.program_id(0).to(tl.int64)
+        if valid:
+            key = ks + tl.arange(0, BL)
+            key_ok = key < ke
+            k_ld = _block_tile(k_ptr, b, h, key, key_ok, sk_b, sk_t, sk_h, DK, DKP)
+            v_ld = _block_tile(v_ptr, b, h, key, key_ok, sv_b, sv_t, sv_h, DV, DVP)
+            k_dl = tl.trans(k_ld)
+            v_dl = tl.trans(v_ld)
+            dk = tl.arange(0, DKP)
+            dv = tl.arange(0, DVP)
+            scale = tl.cast(scale, tl.float32)
+            scale2 = scale * LOG2E
+            dk_acc = tl.zeros([BL, DKP], tl.float32)
+            dv_acc = tl.zeros([BL, DVP], tl.float32)
+            for c0 in range(start, end, BT):
+                t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
+                q_md = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
+                               mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                do_md = tl.load(do_ptr + b * sdo_b + t[:, None] * sdo_t + hq[:, None] * sdo_h + dv[None, :],
+                                mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                stat = b * sl_b + hq * sl_h + t * sl_t
+                lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
+                delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+                s = _dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= t[:, None])
+                # A row with no visible key anywhere has lse -inf and no visible key here either.
+                p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
+                dv_acc += _dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
+                dp = _dot(do_md, v_dl, F32_DOT, IEEE)
+                ds = (p * (dp - delta[:, None])).to(q_md.dtype)
+                dk_acc += _dot(tl.trans(ds), q_md, F32_DOT, IEEE)
+                dq = _dot(ds, k_ld, F32_DOT, IEEE) * scale
+                row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
+                tl.store(dqp_ptr + row[:, None] + dk[None, :], dq, mask=row_ok[:, None] & (dk[None, :] < DK))
+            r = tl.arange(0, BL)
+            tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * scale)
+            tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
+
+    @triton.jit
+    def _block_sum_kernel(
+        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, first_item_ptr, n_items_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv,
+        sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+    ):
+        """dK, dV of one (batch, kv head, virtual block): its items' partials summed in item order.
+
+        Every key lies in exactly one virtual block, so this writes all of dK and dV (zeros for
+        keys no token selected)."""
+        row = tl.program_id(0)
+        vb = row % Nv
+        b = (row // Nv // Hkv).to(tl.int64)
+        h = (row // Nv) % Hkv
+        first = tl.load(first_item_ptr + row).to(tl.int64)
+        count = tl.load(n_items_ptr + row)
+        r = tl.arange(0, BL)
+        dk = tl.arange(0, DKP)
+        dv = tl.arange(0, DVP)
+        dk_acc = tl.zeros([BL, DKP], tl.float32)
+        dv_acc = tl.zeros([BL, DVP], tl.float32)
+        for i in range(count):
+            w = first + i
+            dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
+            dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
+        key = tl.load(blk_start_ptr + vb) + r
+        key_ok = key < tl.load(blk_end_ptr + vb)
+        kt = key.to(tl.int64)[:, None]
+        tl.store(dk_ptr + b * sk_b + kt * sk_t + h * sk_h + dk[None, :], dk_acc.to(dk_ptr.dtype.element_ty),
+                 mask=key_ok[:, None] & (dk[None, :] < DK))
+        tl.store(dv_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
+                 mask=key_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _slot_kernel(
+        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, Hq, G,
+        sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
+        so_b, so_t, so_h, sl_b, sl_h, sl_t,
+        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, MERGE: tl.constexpr,
+    ):
+        """One (b, t, query head): its n slots' partials [n, D] -> out [D] in out's dtype.
+
+        MERGE: softmax-weighted by the partial lse (base 2); also writes the global lse (natural
+        log, -inf when no slot saw a key). Else a plain sum (dQ). Slots that read nothing
+        (gid -1) were never written and are not loaded.
+        """
+        LN2: tl.constexpr = 0.6931471805599453
+        pid = tl.program_id(0)
+        hq = pid % Hq
+        t = ((pid // Hq) % T).to(tl.int64)
+        b = (pid // Hq // T).to(tl.int64)
+        n = tl.arange(0, NP)
+        d = tl.arange(0, DP)
+        used = tl.load(gid_ptr + b * sg_b + (hq // G) * sg_h + t * sg_t + n, mask=n < N, other=-1) >= 0
+        part = tl.load(part_ptr + b * sp_b + t * sp_t + hq * sp_h + n[:, None] * sp_n + d[None, :],
+                       mask=used[:, None] & (d[None, :] < D), other=0.0)
+        if MERGE:
+            plse = tl.load(plse_ptr + b * spl_b + t * spl_t + hq * spl_h + n, mask=used, other=float("-inf"))
+            m = tl.max(plse, axis=0)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            wgt = tl.math.exp2(plse - m)
+            den = tl.sum(wgt, axis=0)
+            out = tl.sum(part * wgt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+            lse = tl.where(den > 0, (m + tl.math.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf"))
+            tl.store(lse_ptr + b * sl_b + hq * sl_h + t * sl_t, lse)
+        else:
+            out = tl.sum(part, axis=0)
+        tl.store(out_ptr + b * so_b + t * so_t + hq * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)

@@ -1,0 +1,440 @@
+"""nsa_flex::selected_attention: the inverse index, the torch twin and the Triton kernels.
+
+The oracle is nsa_flex.reference's selected branch (_selection_mask, _attend) in fp64, per
+document for packed sequences. Kernel tests run under Triton's interpreter on CPU tensors
+(TRITON_INTERPRET=1 set before Python starts; skipped otherwise) or on CUDA (marked gpu).
+Tolerance: the error against fp64 stays within 2x the error of the same reference computed
+in the input dtype, plus a floor of half an epsilon of the result's scale and a few fp32
+ulps (the kernels' partial merges and sums run in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+import torch
+
+from nsa_flex import reference
+from nsa_flex.config import NSAConfig
+from nsa_flex.ops.selected_attention import kernels, launch, selected_attention
+from nsa_flex.ops.selected_attention.index import build_index, num_virtual_blocks, work_list
+
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
+
+
+def _interpreter_skip() -> str | None:
+    if not kernels.HAS_TRITON:
+        return "needs Triton"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernels._fwd_kernel, InterpretedFunction):
+        return "needs Triton's interpreter (TRITON_INTERPRET=1 before Python starts)"
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        return "Triton 3.6's interpreter needs numpy < 2.4 (triton-lang/triton#9171)"
+    return None
+
+
+_skip_interpreter = pytest.mark.skipif(_interpreter_skip() is not None, reason=str(_interpreter_skip()))
+_quiet_numpy = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def interpreter(test):
+    return _skip_interpreter(_quiet_numpy(test))
+
+
+# ----- inputs and the oracle -----
+
+def make_config(G: int, Dk: int, Dv: int, n: int, sel_block: int = 64, Hkv: int = 2) -> NSAConfig:
+    return NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv, sel_block=sel_block,
+                     cmp_block=16, cmp_stride=16, n_selected=n)
+
+
+def random_selection(B, Hkv, T, n, sel_block, seed=0, cu_seqlens=None, drop=0.1) -> torch.Tensor:
+    """[B, Hkv, T, n] int64: block 0 and the own block forced, random distinct past blocks, -1 last.
+    A `drop` share of the optional slots stays -1 (rows with fewer blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = [0] * T if cu_seqlens is None else _doc_starts(cu_seqlens, T)
+    out = torch.full((B, Hkv, T, n), -1, dtype=torch.int64)
+    for t in range(T):
+        own = (t - starts[t]) // sel_block
+        for bh in range(B * Hkv):
+            picks = {0, own} | set(torch.randperm(own + 1, generator=g)[: n].tolist())
+            keep = [0, own] + [j for j in sorted(picks - {0, own}) if torch.rand(1, generator=g).item() > drop]
+            chosen = sorted(set(keep))[:n]
+            out[bh // Hkv, bh % Hkv, t, : len(chosen)] = torch.tensor(chosen)
+    return out
+
+
+def _doc_starts(cu_seqlens, T):
+    cu = cu_seqlens.tolist()
+    return [max(s for s in cu[:-1] if s <= t) for t in range(T)]
+
+
+def make_inputs(B, T, cfg: NSAConfig, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv = cfg.n_heads, cfg.n_kv_heads
+    q = torch.randn(B, T, Hq, cfg.head_dim, generator=g)
+    k = torch.randn(B, T, Hkv, cfg.head_dim, generator=g)
+    v = torch.randn(B, T, Hkv, cfg.dv, generator=g)
+    do = torch.randn(B, T, Hq, cfg.dv, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v, do)]
+
+
+def oracle(q, k, v, do, block_indices, cfg: NSAConfig, dtype, cu_seqlens=None):
+    """(o, dq, dk, dv) of the reference's selected branch in `dtype` (fp64: the oracle), on q's device."""
+    q, k, v, do = (x.detach().to(dtype).requires_grad_() for x in (q, k, v, do))
+    block_indices = block_indices.to(q.device)
+    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    G = q.shape[2] // k.shape[2]
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        mask = reference._selection_mask(block_indices[:, :, s:e], e - s, cfg).repeat_interleave(G, dim=1)
+        o, _ = reference._attend(q[:, s:e].transpose(1, 2), reference._heads(k[:, s:e], G, dtype),
+                                 reference._heads(v[:, s:e], G, dtype), mask, q.shape[-1] ** -0.5)
+        outs.append(o.transpose(1, 2))
+    o = torch.cat(outs, dim=1)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    return (o.detach(), *grads)
+
+
+def assert_within(name, got, want64, low, dtype, magnitude):
+    """|got - fp64| <= 2 |low - fp64| + half an epsilon of the result + 16 fp32 ulps of `magnitude`
+    (the scale of the terms summed: a zero result, e.g. dq of a one-key row, has rounding too)."""
+    err = (got.detach().double() - want64.double()).abs().max().item()
+    ref_err = (low.double() - want64.double()).abs().max().item()
+    bound = 2 * ref_err + torch.finfo(dtype).eps / 2 * want64.abs().max().item() + 16 * 2.0 ** -24 * magnitude
+    assert math.isfinite(err) and err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e} (ref {ref_err:.3e})"
+
+
+def check(got, q, k, v, do, bi, cfg, cu_seqlens=None):
+    """got = (o, dq, dk, dv) against the fp64 oracle with the derived tolerance."""
+    dtype = q.dtype
+    want = oracle(q, k, v, do, bi, cfg, torch.float64, cu_seqlens)
+    low = oracle(q, k, v, do, bi, cfg, dtype, cu_seqlens)
+    assert got[0].dtype == dtype and got[0].shape == want[0].shape
+    big = {name: x.abs().max().item() for name, x in zip("qkvd", (q, k, v, do))}
+    ds = big["d"] * big["v"] * q.shape[-1] ** -0.5
+    magnitudes = (big["v"], ds * big["k"], ds * big["q"], big["d"])
+    for name, x, w, lo, m in zip(("o", "dq", "dk", "dv"), got, want, low, magnitudes):
+        assert_within(name, x, w, lo, dtype, m)
+
+
+def run_op(q, k, v, do, bi, cfg, impl, cu_seqlens=None):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = selected_attention(q, k, v, bi, cfg, cu_seqlens=cu_seqlens, impl=impl)
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+
+
+def run_kernels(q, k, v, do, bi, cfg, cu_seqlens=None, tiles=None):
+    """The Triton path through its internal entry points (tiles override launch_config)."""
+    scale = q.shape[-1] ** -0.5
+    o, lse = launch.forward(q, k, v, bi, cu_seqlens, scale, cfg.sel_block, tiles)
+    return (o, *launch.backward(do, q, k, v, o, lse, bi, cu_seqlens, scale, cfg.sel_block, tiles))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """The kernels' buffers start as NaN: any element read before written shows up."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        x = real(*args, **kwargs)
+        return x.fill_(math.nan) if x.is_floating_point() else x.fill_(-(2 ** 30))
+
+    monkeypatch.setattr(launch.torch, "empty", empty)
+
+
+# ----- the inverse index -----
+
+def dense_rows(gid_bhtn, Nv):
+    """{(b, h, block): [t * n + slot, ...]} by a plain loop."""
+    B, Hkv, T, n = gid_bhtn.shape
+    rows = {}
+    for b in range(B):
+        for h in range(Hkv):
+            for t in range(T):
+                for s in range(n):
+                    j = int(gid_bhtn[b, h, t, s])
+                    if j >= 0:
+                        rows.setdefault((b, h, j), []).append(t * n + s)
+    return rows
+
+
+@pytest.mark.parametrize("B, Hkv, T, n, L, cu", [
+    (2, 3, 111, 5, 16, None), (1, 2, 1, 3, 64, None), (2, 1, 200, 16, 32, None),
+    (1, 2, 150, 4, 16, [0, 40, 41, 41, 150]),
+], ids=["B2-H3-T111", "T1", "n16-more-than-blocks", "packed"])
+def test_index_matches_dense(B, Hkv, T, n, L, cu):
+    cu_t = None if cu is None else torch.tensor(cu)
+    bi = random_selection(B, Hkv, T, n, L, seed=T, cu_seqlens=cu_t)
+    # Also an id past the document's end: it reads nothing.
+    bi[0, 0, T - 1, -1] = (T + L) // L + 3
+    index = build_index(bi.int(), L, cu_t)
+    Nv = num_virtual_blocks(T, L, 1 if cu is None else len(cu) - 1)
+    assert index.counts.shape == (B * Hkv * Nv,)
+    bounds = [0, T] if cu is None else cu
+    docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:])]
+    first = [sum(-(-(e - s) // L) for s, e in docs[:d]) for d in range(len(docs))]
+    for t in range(T):
+        d = max(i for i, (s, e) in enumerate(docs) if s <= t < e)
+        for slot in range(n):
+            j = int(bi[0, 0, t, slot])
+            want = first[d] + j if 0 <= j and docs[d][0] + j * L < docs[d][1] else -1
+            assert int(index.gid_bhtn[0, 0, t, slot]) == want
+            if want >= 0:
+                # The virtual block's keys: its document's tokens from the block's start on.
+                assert int(index.blk_start[want]) == docs[d][0] + j * L
+                assert int(index.blk_end[want]) == min(docs[d][0] + (j + 1) * L, docs[d][1])
+    rows = dense_rows(index.gid_bhtn, Nv)
+    for r in range(B * Hkv * Nv):
+        b, h, j = r // (Hkv * Nv), (r // Nv) % Hkv, r % Nv
+        got = index.entries[index.offsets[r]: index.offsets[r] + index.counts[r]].tolist()
+        assert got == rows.get((b, h, j), []), (b, h, j)
+    for span in (1, 7, 64):
+        items = work_list(index, span, T, n)
+        assert items.blk.shape == (B * Hkv * (-(-(T * n) // span) + Nv),)
+        for r in range(B * Hkv * Nv):
+            f, c = int(items.first_item[r]), int(items.n_items[r])
+            assert (items.blk[f: f + c] == r).all()
+            covered = [e for w in range(f, f + c) for e in range(items.start[w], items.end[w])]
+            assert covered == list(range(index.offsets[r], index.offsets[r] + index.counts[r]))
+            assert all(0 < items.end[w] - items.start[w] <= span for w in range(f, f + c))
+        used = int(items.n_items.sum())
+        assert (items.blk[used:] == -1).all()
+
+
+# ----- the torch twin (CPU) -----
+
+TWIN_CASES = [
+    pytest.param(B, T, G, Dk, Dv, n, L, dtype, id=f"B{B}-T{T}-G{G}-D{Dk}x{Dv}-n{n}-l{L}-{str(dtype)[6:]}")
+    for B, T, G, Dk, Dv, n, L, dtype in [
+        (2, 1, 1, 32, 24, 3, 16, torch.float32), (1, 63, 2, 64, 64, 4, 16, torch.float32),
+        (2, 111, 4, 32, 24, 4, 32, torch.float32), (1, 200, 16, 64, 32, 5, 16, torch.bfloat16),
+        (1, 300, 3, 192, 128, 16, 64, torch.float64),
+    ]
+]
+
+
+@pytest.mark.parametrize("B, T, G, Dk, Dv, n, L, dtype", TWIN_CASES)
+def test_twin_matches_reference(B, T, G, Dk, Dv, n, L, dtype):
+    cfg = make_config(G, Dk, Dv, n, L)
+    q, k, v, do = make_inputs(B, T, cfg, dtype, seed=T + G)
+    bi = random_selection(B, cfg.n_kv_heads, T, n, L, seed=T)
+    check(run_op(q, k, v, do, bi, cfg, "torch"), q, k, v, do, bi, cfg)
+
+
+def test_twin_chunks_and_packed_documents(monkeypatch):
+    """Packed documents (document-local ids), with one-token chunks: same as per-document reference."""
+    from nsa_flex.ops.selected_attention import twin
+
+    monkeypatch.setattr(twin, "_CHUNK_ELEMENTS", 1)
+    cfg = make_config(2, 32, 24, 4, 16)
+    cu = torch.tensor([0, 40, 41, 41, 150], dtype=torch.int32)
+    q, k, v, do = make_inputs(1, 150, cfg, torch.float32, seed=5)
+    bi = random_selection(1, cfg.n_kv_heads, 150, 4, 16, seed=5, cu_seqlens=cu)
+    check(run_op(q, k, v, do, bi, cfg, "torch", cu), q, k, v, do, bi, cfg, cu)
+
+
+def test_twin_empty_rows_give_zero():
+    cfg = make_config(2, 32, 24, 3, 16)
+    q, k, v, do = make_inputs(1, 40, cfg, torch.float32)
+    bi = torch.full((1, 2, 40, 3), -1)
+    bi[:, :, ::2, 0] = 0
+    o, dq, dk, dv = run_op(q, k, v, do, bi, cfg, "torch")
+    assert (o[:, 1::2] == 0).all() and (dq[:, 1::2] == 0).all()
+    assert all(torch.isfinite(x).all() for x in (o, dq, dk, dv))
+
+
+# ----- the op: registration -----
+
+def _op_args(device="cpu", dtype=torch.float32, cu=None):
+    cfg = make_config(2, 32, 24, 4, 16)
+    T = 70 if cu is None else int(cu[-1])
+    q, k, v, _ = make_inputs(1, T, cfg, dtype, seed=1, device=device)
+    bi = random_selection(1, 2, T, 4, 16, seed=1, cu_seqlens=cu).to(device=device, dtype=torch.int32)
+    cu = None if cu is None else cu.to(device)
+    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bi, cu, 0.2, 16, "auto")
+
+
+@pytest.mark.parametrize("cu", [None, torch.tensor([0, 30, 31, 90])], ids=["single", "packed"])
+def test_opcheck_cpu(cu):
+    torch.library.opcheck(torch.ops.nsa_flex.selected_attention.default, _op_args(cu=cu))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(q=torch.randn(2, 8, 4)), ValueError, "q must be"),
+    (dict(k=torch.randn(1, 64, 2, 16)), ValueError, "do not fit"),
+    (dict(k=torch.randn(1, 64, 3, 32), v=torch.randn(1, 64, 3, 24)), ValueError, "multiple of"),
+    (dict(v=torch.randn(1, 64, 2, 24).double()), TypeError, "must match"),
+    (dict(block_indices=torch.zeros(1, 2, 64, 4)), ValueError, "int32/int64"),
+    (dict(impl="flex"), ValueError, "allowed"),
+    (dict(cu_seqlens=torch.tensor([[0, 64]])), ValueError, "1-D"),
+], ids=["q-dims", "k-dim", "heads", "v-dtype", "indices-dtype", "impl", "cu-2d"])
+def test_bad_inputs(change, error, message):
+    cfg = make_config(2, 32, 24, 4, 16)
+    args = dict(q=torch.randn(1, 64, 4, 32), k=torch.randn(1, 64, 2, 32), v=torch.randn(1, 64, 2, 24),
+                block_indices=torch.zeros(1, 2, 64, 4, dtype=torch.int32))
+    kwargs = {key: change.pop(key) for key in ("cu_seqlens", "impl") if key in change}
+    args.update(change)
+    with pytest.raises(error, match=message):
+        selected_attention(args["q"], args["k"], args["v"], args["block_indices"], cfg, **kwargs)
+
+
+# ----- the Triton kernels under the interpreter (CPU) -----
+
+KERNEL_CASES = [
+    pytest.param(B, T, G, Dk, Dv, n, L, dtype, tiles, id=f"B{B}-T{T}-G{G}-D{Dk}x{Dv}-n{n}-l{L}-{str(dtype)[6:]}"
+                 + ("-" + "-".join(f"{a}{b}" for a, b in tiles.items()) if tiles else ""))
+    for B, T, G, Dk, Dv, n, L, dtype, tiles in [
+        (1, 1, 2, 64, 64, 4, 64, torch.float32, None),
+        (2, 63, 1, 64, 64, 3, 16, torch.float32, None),
+        (1, 111, 4, 32, 24, 5, 16, torch.float32, dict(fwd_chunks=1, bwd_chunks=1)),
+        (1, 111, 16, 32, 24, 4, 32, torch.float32, dict(bwd_chunks=2)),
+        (1, 200, 2, 64, 64, 6, 16, torch.bfloat16, dict(bwd_chunks=3)),
+        (1, 111, 4, 64, 64, 4, 64, torch.float16, None),
+        (1, 40, 2, 192, 128, 3, 16, torch.float32, None),
+        (1, 40, 2, 192, 128, 3, 16, torch.bfloat16, None),
+    ]
+]
+
+
+@interpreter
+@pytest.mark.parametrize("B, T, G, Dk, Dv, n, L, dtype, tiles", KERNEL_CASES)
+def test_kernels_interpreted(B, T, G, Dk, Dv, n, L, dtype, tiles, poisoned):
+    cfg = make_config(G, Dk, Dv, n, L)
+    q, k, v, do = make_inputs(B, T, cfg, dtype, seed=T * 7 + G)
+    bi = random_selection(B, cfg.n_kv_heads, T, n, L, seed=T + 1)
+    check(run_kernels(q, k, v, do, bi.int(), cfg, tiles=tiles), q, k, v, do, bi, cfg)
+
+
+@interpreter
+def test_kernels_interpreted_one_block_for_all(poisoned):
+    """Every token reads block 0 only (plus -1 slots): one long list, split over many items.
+    Tokens 50..59 read nothing at all and give exactly 0."""
+    cfg = make_config(4, 32, 24, 3, 16)
+    T = 100
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=3)
+    bi = torch.full((1, 2, T, 3), -1)
+    bi[..., 0] = 0
+    bi[:, :, 50:60] = -1
+    got = run_kernels(q, k, v, do, bi, cfg, tiles=dict(BT=4, fwd_chunks=2, bwd_chunks=3))
+    check(got, q, k, v, do, bi, cfg)
+    assert (got[0][:, 50:60] == 0).all() and (got[1][:, 50:60] == 0).all()
+
+
+@interpreter
+def test_kernels_interpreted_packed_documents(poisoned):
+    cfg = make_config(2, 32, 24, 4, 16)
+    cu = torch.tensor([0, 40, 41, 41, 130], dtype=torch.int32)
+    q, k, v, do = make_inputs(1, 130, cfg, torch.float32, seed=9)
+    bi = random_selection(1, 2, 130, 4, 16, seed=9, cu_seqlens=cu)
+    check(run_kernels(q, k, v, do, bi, cfg, cu, tiles=dict(bwd_chunks=1)), q, k, v, do, bi, cfg, cu)
+
+
+@interpreter
+def test_kernels_interpreted_causal():
+    """Changing keys and values after token t0 changes nothing at tokens <= t0."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    T, t0 = 90, 37
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=4)
+    bi = random_selection(1, 2, T, 4, 16, seed=4).int()
+    o1, _ = launch.forward(q, k, v, bi, None, 0.2, 16)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, t0 + 1:] += 3.0
+    # Finite: a masked key's p is 0 and 0 * NaN would still be NaN, in any attention.
+    v2[:, t0 + 1:] *= -100.0
+    o2, _ = launch.forward(q, k2, v2, bi, None, 0.2, 16)
+    assert torch.equal(o1[:, : t0 + 1], o2[:, : t0 + 1])
+
+
+@interpreter
+def test_op_forces_kernels_on_cpu():
+    """impl="triton" runs the kernels through the op and its autograd, as the twin does."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    q, k, v, do = make_inputs(1, 50, cfg, torch.float32, seed=2)
+    bi = random_selection(1, 2, 50, 4, 16, seed=2)
+    got = run_op(q, k, v, do, bi, cfg, "triton")
+    twin = run_op(q, k, v, do, bi, cfg, "torch")
+    for x, y in zip(got, twin):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+# ----- CUDA (the lead's GPU machine) -----
+
+GPU_CASES = [
+    pytest.param(T, G, Dk, Dv, dtype, id=f"T{T}-G{G}-D{Dk}x{Dv}-{str(dtype)[6:]}")
+    for T, G, Dk, Dv, dtype in [
+        (1000, 1, 64, 64, torch.bfloat16), (1000, 2, 128, 128, torch.float16), (1000, 4, 192, 128, torch.bfloat16),
+        (1000, 8, 64, 64, torch.float32), (1000, 16, 128, 128, torch.bfloat16), (1000, 16, 192, 128, torch.float32),
+        (4096, 1, 128, 128, torch.bfloat16), (4096, 2, 64, 64, torch.bfloat16), (4096, 4, 128, 128, torch.bfloat16),
+        (4096, 8, 128, 128, torch.float16), (4096, 16, 192, 128, torch.bfloat16), (4096, 4, 64, 64, torch.float32),
+    ]
+]
+
+
+@gpu
+@pytest.mark.parametrize("T, G, Dk, Dv, dtype", GPU_CASES)
+def test_kernels_gpu(T, G, Dk, Dv, dtype):
+    cfg = make_config(G, Dk, Dv, 16, 64)
+    q, k, v, do = make_inputs(1, T, cfg, dtype, seed=T + G, device="cuda")
+    bi = random_selection(1, cfg.n_kv_heads, T, 16, 64, seed=T, drop=0.0).cuda()
+    check(run_op(q, k, v, do, bi, cfg, "auto"), q, k, v, do, bi, cfg)
+
+
+@gpu
+def test_kernels_gpu_packed_documents():
+    cfg = make_config(4, 128, 128, 16, 64)
+    cu = torch.tensor([0, 100, 101, 121, 2696, 2760, 3000], dtype=torch.int32)
+    q, k, v, do = make_inputs(1, 3000, cfg, torch.bfloat16, seed=2, device="cuda")
+    bi = random_selection(1, 2, 3000, 16, 64, seed=2, cu_seqlens=cu)
+    check(run_op(q, k, v, do, bi.cuda(), cfg, "auto", cu.cuda()), q, k, v, do, bi, cfg, cu)
+
+
+@gpu
+def test_compile_fullgraph_cuda():
+    """fwd + bwd under torch.compile(fullgraph=True) equal eager; one frame, no recompile on new data."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cfg = make_config(4, 128, 128, 16, 64)
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=False)
+    def step(q, k, v, bi):
+        return selected_attention(q * 1.0, k, v, bi, cfg) + 0
+
+    for seed in (0, 1):
+        q, k, v, do = make_inputs(1, 1000, cfg, torch.bfloat16, seed=seed, device="cuda")
+        bi = random_selection(1, 2, 1000, 16, 64, seed=seed).cuda()
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = step(*x, bi)
+        got = (o, *torch.autograd.grad(o, x, do))
+        want = run_op(q, k, v, do, bi, cfg, "auto")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert counter.frame_count == 1
+
+
+def test_compile_fullgraph_cpu():
+    """The op and its autograd trace whole (the twin on CPU): compiled equals eager, one frame."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cfg = make_config(2, 32, 24, 4, 16)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=False)
+    def step(q, k, v, bi):
+        return selected_attention(q * 1.0, k, v, bi, cfg) + 0
+
+    for seed in (0, 1):
+        q, k, v, do = make_inputs(1, 70, cfg, torch.float32, seed=seed)
+        bi = random_selection(1, 2, 70, 4, 16, seed=seed)
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = step(*x, bi)
+        got = (o, *torch.autograd.grad(o, x, do))
+        for a, b in zip(got, run_op(q, k, v, do, bi, cfg, "torch")):
+            torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1
