@@ -1,7 +1,8 @@
 """NSA through FlexAttention: nsa_attention(..., impl="flex").
 
-compressed Flex call (with lse) -> selection op -> selected Flex call -> window Flex call
--> gated sum. All three calls use the folded GQA layout, q [B, T, Hq, D] ->
+compressed Flex call (with lse) -> selection op -> selected branch -> window Flex call -> gated
+sum. The selected branch is the block-centric op nsa_flex::selected_attention or a Flex call
+over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. All three calls use the folded GQA layout, q [B, T, Hq, D] ->
 [B, Hkv, T*G, D] (row t*G + g = query head h*G + g at token t), so none goes through
 FlexAttention's enable_gqa path: on torch 2.11 that path gave wrong dK/dV for the window
 branch in several configurations, while the folded selected branch was right in all
@@ -31,6 +32,7 @@ from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, win
 from nsa_flex.flex.masks.documents import Documents, documents
 from nsa_flex.flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
+from nsa_flex.ops.selected_attention import selected_attention
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
 
@@ -135,12 +137,17 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     if block_indices is None:
         block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
                                       cu_seqlens_cmp=cu_cmp)
-    keys = selected_keys(k, v, q_fold.shape[2] // T, config, tiles, docs, forced_initial)
-    o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial, keys=keys)
-    if k_win is None:
-        # The window reads the same keys through a view of the selected branch's tensors: with
-        # initial-block copies those are new tensors, and one saved copy of K/V beats two.
-        k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
+    G = q.shape[2] // Hkv
+    if tiles.selected_impl(T, G) == "block":
+        o_sel = fold(selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens), Hkv)
+        k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
+    else:
+        keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
+        o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial, keys=keys)
+        if k_win is None:
+            # The window reads the same keys through a view of the selected branch's tensors: with
+            # initial-block copies those are new tensors, and one saved copy of K/V beats two.
+            k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
     return o_cmp, o_sel, o_win, block_indices
 

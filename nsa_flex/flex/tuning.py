@@ -56,7 +56,15 @@ class FlexTiles:
     docs/records/model_32k_{full_lists,no_full_lists}_h200.json; the op alone: 33.5 against 32.9 ms
     fwd+bwd, docs/records/flex_sel_full_lists_h200.json)."""
 
+    sel_impl: str | None = None
+    """The selected branch: "block" (block-centric Triton op, nsa_flex::selected_attention: each
+    program loads one key block and walks the tokens that selected it) or "flex" (a Flex call over
+    folded query tiles, each walking its tokens' blocks). None: `selected_impl` picks by group size."""
+
     def __post_init__(self) -> None:
+        if self.sel_impl not in (None, *SELECTED_IMPLS):
+            raise ValueError(f"FlexTiles.sel_impl={self.sel_impl!r}: allowed None (by group size) or "
+                             f"{', '.join(map(repr, SELECTED_IMPLS))}")
         for name in ("cmp_block", "win_block"):
             value = getattr(self, name)
             if len(value) != 2 or any(b < 16 or b & (b - 1) for b in value):
@@ -70,6 +78,16 @@ class FlexTiles:
         if self.initial_copy_tokens < 1:
             raise ValueError(f"FlexTiles.initial_copy_tokens={self.initial_copy_tokens!r}: must be >= 1")
 
+
+    def selected_impl(self, T: int, G: int) -> str:
+        """The selected branch's implementation at length T and group size G: sel_impl, or the measured choice.
+
+        Block-centric up to BLOCK_CENTRIC_MAX_GROUP query heads per kv head: there a token-centric tile
+        reads a key block for few query rows and is bound by that traffic (docs/decisions.md).
+        """
+        if self.sel_impl is not None:
+            return self.sel_impl
+        return "block" if G <= BLOCK_CENTRIC_MAX_GROUP else "flex"
 
     def split_at(self, T: int, config) -> bool:
         """Whether the initial blocks' keys are split over copies at length T (split_initial, or by length).
@@ -98,6 +116,10 @@ class FlexTiles:
 
 SHORT_SEQ_FACTOR = 2
 """See FlexTiles.sel_rows."""
+
+SELECTED_IMPLS = ("block", "flex")
+BLOCK_CENTRIC_MAX_GROUP = 8
+"""See FlexTiles.selected_impl."""
 
 
 def is_short(T: int, config) -> bool:
