@@ -132,6 +132,9 @@ def run(Ts, shapes, out_path, commit: str | None = None) -> list[Row]:
     for shape in shapes:
         Hq, Hkv, D = SHAPES[shape]
         config = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
+        # Each shape compiles the Flex call and the mask lists afresh: without the reset, the shapes of
+        # earlier rows use up Dynamo's recompile budget and the Flex path falls back to eager, dense.
+        torch._dynamo.reset()
         try:
             check_against_flex(shape, config)
         except Exception as exc:  # recorded; the timings still say what the op costs

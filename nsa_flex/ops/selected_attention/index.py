@@ -123,7 +123,8 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
 def _bounds(cu_seqlens: Tensor | None, T: int, device) -> Tensor:
     """Document bounds [n_docs + 1] int64: one document [0, T) without cu_seqlens."""
     if cu_seqlens is None:
-        return torch.tensor([0, T], dtype=torch.int64, device=device)
+        # Made on the device: a host tensor copied in would wait for the stream (a sync per call).
+        return torch.arange(2, dtype=torch.int64, device=device) * T
     return cu_seqlens.to(device=device, dtype=torch.int64)
 
 

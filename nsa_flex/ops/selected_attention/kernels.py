@@ -139,8 +139,9 @@ if HAS_TRITON:
             v_dl = tl.trans(v_ld)
             dk = tl.arange(0, DKP)
             dv = tl.arange(0, DVP)
-            scale = tl.cast(scale, tl.float32)
-            scale2 = scale * LOG2E
+            # A new name: under Inductor `scale` arrives as a constexpr, which may not be reassigned.
+            sc = tl.cast(scale, tl.float32)
+            scale2 = sc * LOG2E
             dk_acc = tl.zeros([BL, DKP], tl.float32)
             dv_acc = tl.zeros([BL, DVP], tl.float32)
             for c0 in range(start, end, BT):
@@ -160,11 +161,11 @@ if HAS_TRITON:
                 dp = _dot(do_md, v_dl, F32_DOT, IEEE)
                 ds = (p * (dp - delta[:, None])).to(q_md.dtype)
                 dk_acc += _dot(tl.trans(ds), q_md, F32_DOT, IEEE)
-                dq = _dot(ds, k_ld, F32_DOT, IEEE) * scale
+                dq = _dot(ds, k_ld, F32_DOT, IEEE) * sc
                 row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
                 tl.store(dqp_ptr + row[:, None] + dk[None, :], dq, mask=row_ok[:, None] & (dk[None, :] < DK))
             r = tl.arange(0, BL)
-            tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * scale)
+            tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
             tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
 
     @triton.jit

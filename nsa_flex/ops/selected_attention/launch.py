@@ -73,8 +73,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     B, T, Hq, _ = q.shape
     Hkv, n, Dv = k.shape[2], block_indices.shape[-1], v.shape[-1]
     cfg = _tiles(q, k, v, tiles)
-    index = build_index(block_indices, sel_block, cu_seqlens)
-    items = work_list(index, cfg["BT"] * cfg["fwd_chunks"], T, n)
+    index, items = index_and_items(block_indices, sel_block, cu_seqlens, cfg["BT"] * cfg["fwd_chunks"], T, n)
     po = torch.empty(B, T, Hq, n, Dv, dtype=torch.float32, device=q.device)
     plse = torch.empty(B, T, Hq, n, dtype=torch.float32, device=q.device)
     Nv = index.blk_start.shape[0]
@@ -97,8 +96,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     Hkv, n = k.shape[2], block_indices.shape[-1]
     cfg = _tiles(q, k, v, tiles)
     consts = _constexprs(q, k, v, sel_block, n, cfg["BT"])
-    index = build_index(block_indices, sel_block, cu_seqlens)
-    items = work_list(index, cfg["BT"] * cfg["bwd_chunks"], T, n)
+    index, items = index_and_items(block_indices, sel_block, cu_seqlens, cfg["BT"] * cfg["bwd_chunks"], T, n)
     W, Nv = items.blk.shape[0], index.blk_start.shape[0]
     do = do.contiguous()
     # [B, Hq, T] like lse: the kernel reads both at one offset.
@@ -122,6 +120,23 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     dq = q.new_empty(q.shape)
     _slot_sum(dqp, None, index, dq, None, merge=False)
     return dq, dk, dv
+
+
+def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, T: int, n: int):
+    index = build_index(block_indices, sel_block, cu_seqlens)
+    return index, work_list(index, span, T, n)
+
+
+_COMPILED_INDEX = torch.compile(_index_and_items, dynamic=False)
+
+
+def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, T: int, n: int):
+    """(SelectionIndex, WorkList). Compiled once per shape on CUDA: eagerly its ~60 small kernels
+    take more host time than the attention takes on the GPU at 8k tokens. Inside an outer
+    torch.compile (or on CPU) the plain functions run, and the outer graph fuses them."""
+    if block_indices.is_cuda and not torch.compiler.is_compiling():
+        return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, T, n)
+    return _index_and_items(block_indices, sel_block, cu_seqlens, span, T, n)
 
 
 def _unit_stride(*xs: Tensor) -> tuple[Tensor, ...]:
