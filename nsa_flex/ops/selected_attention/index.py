@@ -71,11 +71,12 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     Nv = num_virtual_blocks(T, sel_block, n_docs)
     lens = cu[1:] - cu[:-1]
     doc_blocks = (lens + sel_block - 1) // sel_block
-    first_blk = torch.cumsum(doc_blocks, 0) - doc_blocks
-    blk_start, blk_end = _virtual_blocks(cu, doc_blocks, first_blk, Nv, sel_block)
+    last_blk = torch.cumsum(doc_blocks, 0)
+    first_blk = last_blk - doc_blocks
+    blk_start, blk_end = _virtual_blocks(cu, last_blk, first_blk, Nv, sel_block)
 
     t = torch.arange(T, device=device)
-    doc_t = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=n_docs - 1)
+    doc_t = _document_of(cu, t)
     j = block_indices.long()
     ok = (j >= 0) & (j * sel_block < lens[doc_t][:, None])
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
@@ -128,12 +129,26 @@ def _bounds(cu_seqlens: Tensor | None, T: int, device) -> Tensor:
     return cu_seqlens.to(device=device, dtype=torch.int64)
 
 
-def _virtual_blocks(cu: Tensor, doc_blocks: Tensor, first_blk: Tensor, Nv: int, sel_block: int):
-    """([Nv] start, [Nv] end) int32 key range of each virtual block; empty past the last document's."""
+def _document_of(cu: Tensor, x: Tensor) -> Tensor:
+    """The document holding each position x (one document: zeros, no search).
+
+    Searches the whole bounds tensor, never a slice of it: Inductor (torch 2.11) cannot lower
+    searchsorted over a sliced sequence (NotImplementedError: SliceView).
+    """
+    if cu.shape[0] == 2:
+        return torch.zeros_like(x)
+    return (torch.searchsorted(cu, x, right=True) - 1).clamp(0, cu.shape[0] - 2)
+
+
+def _virtual_blocks(cu: Tensor, last_blk: Tensor, first_blk: Tensor, Nv: int, sel_block: int):
+    """([Nv] start, [Nv] end) int32 key range of each virtual block; empty past the last document's.
+
+    last_blk / first_blk [n_docs]: one past the last, and the first, virtual block of each document.
+    """
     n_docs = cu.shape[0] - 1
     vb = torch.arange(Nv, device=cu.device)
-    doc = torch.searchsorted(first_blk + doc_blocks, vb, right=True)
-    spare = doc >= n_docs
+    doc = torch.zeros_like(vb) if n_docs == 1 else torch.searchsorted(last_blk, vb, right=True)
+    spare = vb >= last_blk[-1]
     doc = doc.clamp(max=n_docs - 1)
     start = cu[doc] + (vb - first_blk[doc]) * sel_block
     end = torch.minimum(start + sel_block, cu[doc + 1])

@@ -6,6 +6,8 @@ every grid and buffer size is a function of the shapes.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -134,8 +136,14 @@ def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, T: int
     """(SelectionIndex, WorkList). Compiled once per shape on CUDA: eagerly its ~60 small kernels
     take more host time than the attention takes on the GPU at 8k tokens. Inside an outer
     torch.compile (or on CPU) the plain functions run, and the outer graph fuses them."""
-    if block_indices.is_cuda and not torch.compiler.is_compiling():
-        return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, T, n)
+    global _COMPILED_INDEX
+    if _COMPILED_INDEX is not None and block_indices.is_cuda and not torch.compiler.is_compiling():
+        try:
+            return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, T, n)
+        except Exception as exc:  # a compiler bug of this torch version: the same functions, eagerly
+            _COMPILED_INDEX = None
+            warnings.warn(f"selected_attention: compiling the selection index failed on torch {torch.__version__} "
+                          f"({type(exc).__name__}); it runs eagerly from now on (same result, more host time)")
     return _index_and_items(block_indices, sel_block, cu_seqlens, span, T, n)
 
 
