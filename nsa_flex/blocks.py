@@ -59,3 +59,14 @@ def sort_block_indices(idx: torch.Tensor) -> torch.Tensor:
     big = torch.iinfo(idx.dtype).max
     s = torch.sort(idx.masked_fill(idx < 0, big), dim=-1).values
     return s.masked_fill(s == big, -1)
+
+
+def distinct_block_indices(idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[..., n] block ids in [-1, n_blocks) -> [..., min(n, n_blocks)]: each id once, ascending, -1 last.
+
+    A selection is a set of blocks: a repeated id counts once. At most n_blocks ids can be
+    distinct, so the width never exceeds the number of blocks that exist.
+    """
+    s = sort_block_indices(idx)
+    repeat = torch.cat([torch.zeros_like(s[..., :1], dtype=torch.bool), s[..., 1:] == s[..., :-1]], dim=-1)
+    return sort_block_indices(s.masked_fill(repeat, -1))[..., :max(1, min(idx.shape[-1], n_blocks))]
