@@ -86,12 +86,11 @@ def select_blocks(p_cmp_bhtc: torch.Tensor, T: int, G: int, config: NSAConfig) -
     score = importance.masked_fill(forced_ts, float("inf")).masked_fill(~valid_ts, float("-inf"))
     # A stable descending sort keeps equal scores in index order: the documented tie-break.
     order = torch.sort(score, dim=-1, descending=True, stable=True)
+    # Work scales with the Ns blocks that exist: an n above Ns only adds unused (-1) slots.
     n = min(config.n_selected, Ns)
     top = order.indices[..., :n]
-    top = top.masked_fill(order.values[..., :n] == float("-inf"), -1)
-    if n < config.n_selected:
-        top = torch.cat([top, top.new_full((*top.shape[:-1], config.n_selected - n), -1)], dim=-1)
-    return sort_block_indices(top)
+    top = sort_block_indices(top.masked_fill(order.values[..., :n] == float("-inf"), -1))
+    return torch.nn.functional.pad(top, (0, config.n_selected - n), value=-1)
 
 
 def _selection_mask(block_indices: torch.Tensor, T: int, config: NSAConfig) -> torch.Tensor:

@@ -170,11 +170,10 @@ def _top_n(importance_bhts: Tensor, t_local: Tensor, n: int, config: NSAConfig) 
     score = importance_bhts.masked_fill(forced_ts, math.inf).masked_fill(~valid_ts, -math.inf)
     # A stable descending sort keeps equal scores in index order: the documented tie-break.
     order = torch.sort(score, dim=-1, descending=True, stable=True)
+    # Work scales with the Ns blocks that exist: an n above Ns only adds unused (-1) slots.
     k = min(n, Ns)
-    top = order.indices[..., :k].masked_fill(order.values[..., :k] == -math.inf, -1)
-    if k < n:
-        top = torch.cat([top, top.new_full((*top.shape[:-1], n - k), -1)], dim=-1)
-    return sort_block_indices(top)
+    top = sort_block_indices(order.indices[..., :k].masked_fill(order.values[..., :k] == -math.inf, -1))
+    return torch.nn.functional.pad(top, (0, n - k), value=-1)
 
 
 def _geometry(config: NSAConfig) -> tuple[int, ...]:
