@@ -267,12 +267,12 @@ def test_window_kv_not_a_tensor():
 
 @pytest.mark.parametrize("impl", ["triton", "Reference", "", None])
 def test_unknown_impl(impl):
-    with pytest.raises(ValueError, match=rf"unknown impl {re.escape(repr(impl))}; allowed: 'reference', 'flex'"):
+    with pytest.raises(ValueError, match=rf"unknown impl {re.escape(repr(impl))}; allowed: 'auto', 'reference', 'flex'"):
         call(inputs(), impl=impl)
 
 
 def test_module_rejects_unknown_impl_and_bad_dim():
-    with pytest.raises(ValueError, match=r"unknown impl 'fast'; allowed: 'reference', 'flex'"):
+    with pytest.raises(ValueError, match=r"unknown impl 'fast'; allowed: 'auto', 'reference', 'flex'"):
         NSAAttention(CFG, 32, impl="fast")
     with pytest.raises(ValueError, match=r"dim=0: must be a positive integer"):
         NSAAttention(CFG, 0)
