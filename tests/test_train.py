@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ import torch
 from nsa_flex.training.train import NonFiniteLossError, TrainHooks, train
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import ConfigError, build_config
-from nsa_flex.training.metrics import read_metrics
+from nsa_flex.training.metrics import LoggingCallback, read_metrics
 from nsa_flex.training.watchdog import STALL_EXIT_CODE, Watchdog
 
 
@@ -208,15 +210,87 @@ def test_corrupt_and_incompatible_checkpoints(tmp_path):
     train(tiny(tmp_path, steps=2, checkpoint_every=1))
     newest = ckpt.checkpoint_path(tmp_path / "run", 2)
     newest.write_bytes(newest.read_bytes()[:1000])
-    with pytest.raises(ckpt.CheckpointError, match=r"step_00000002.pt is corrupt or truncated .* older one is .*"
-                                                   r"step_00000001.pt"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000002.pt is corrupt: its SHA-256 is .* the newest "
+                                                   r"checkpoint that verifies is .*step_00000001.pt"):
         train(tiny(tmp_path, steps=3))
     newest.unlink()
     with pytest.raises(ckpt.CheckpointError, match="another model config .*attention: checkpoint 'nsa', now 'dense'"):
         train(tiny(tmp_path, steps=3, model={"attention": "dense"}))
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match="junk.pt is corrupt"):
+    with pytest.raises(ckpt.CheckpointError, match="junk.pt is corrupt") as err:
         train(tiny(tmp_path, steps=3, resume=str(tmp_path / "junk.pt")))
+    # torch's advice to load with weights_only=False is never passed on.
+    assert "weights_only=False" not in str(err.value) and "weights_only` set to `False" not in str(err.value)
     # A half-written temporary file from a killed save is never taken for a checkpoint.
     shutil.copy(ckpt.checkpoint_path(tmp_path / "run", 1), newest.with_name("step_00000009.pt.tmp-123"))
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [1]
+
+
+def _flip_tensor_bytes(path, count: int = 16) -> None:
+    """Flip `count` bytes in the middle of the largest tensor record of a torch.save zip file."""
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_tensor_bytes_are_caught(tmp_path):
+    train(tiny(tmp_path, steps=2, checkpoint_every=1))
+    newest = ckpt.checkpoint_path(tmp_path / "run", 2)
+    assert ckpt.checksum_path(newest).read_text().split() == [ckpt.sha256_of(newest), newest.name]
+    _flip_tensor_bytes(newest)
+    # torch itself reads the damaged file without complaint: only the checksum sees it.
+    assert torch.load(newest, weights_only=True)["step"] == 2
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000002.pt is corrupt: its SHA-256 is [0-9a-f]{16}\.\.\., "
+                                                   r"but step_00000002.pt.sha256 says .*the newest checkpoint that "
+                                                   r"verifies is .*step_00000001.pt \(resume from it with --resume"):
+        train(tiny(tmp_path, steps=3))
+    resumed = train(tiny(tmp_path, steps=3, resume=str(ckpt.checkpoint_path(tmp_path / "run", 1))))
+    assert resumed.start_step == 1
+
+
+def test_pruned_checkpoints_take_their_checksums(tmp_path):
+    train(tiny(tmp_path, steps=3, checkpoint_every=1, keep_checkpoints=1))
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step_00000003.pt", "step_00000003.pt.sha256"]
+
+
+@pytest.mark.parametrize("change, shown", [
+    pytest.param({"data": "copy"}, "data: checkpoint 'kv', now 'copy'", id="data"),
+    pytest.param({"seed": 7}, "seed: checkpoint 0, now 7", id="seed"),
+    pytest.param({"seq_len": 32}, "seq_len: checkpoint 64, now 32", id="seq-len"),
+])
+def test_resume_refuses_changed_data(tmp_path, change, shown):
+    train(tiny(tmp_path, steps=2))
+    with pytest.raises(ckpt.CheckpointError, match=rf"was trained on other data settings \({shown}\): resuming "
+                                                   r"would continue on another data stream.*--allow-data-change"):
+        train(tiny(tmp_path, steps=3, **change))
+    messages = []
+
+    class Notes(LoggingCallback):
+        def on_message(self, text):
+            messages.append(text)
+
+    resumed = train(tiny(tmp_path, steps=3, allow_data_change=True, **change), callback=Notes())
+    assert resumed.start_step == 2 and len(resumed.losses) == 1
+    assert any(f"data settings changed on purpose (--allow-data-change): {shown}" in m for m in messages)
+
+
+def test_run_folder_holds_config_and_log(tmp_path):
+    train(tiny(tmp_path, steps=3, log_every=2))
+    run = tmp_path / "run"
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["config"]["steps"] == 3 and saved["config"]["seq_len"] == 64 and "torch" in saved["versions"]
+    log = (run / "train.log").read_text().splitlines()
+    assert log[0].split(" ", 2)[2].startswith("start: {") and any("step      2/3  loss" in line for line in log)
+    assert any("step      3/3" in line for line in log) and log[-1].split(" ", 2)[2].startswith("done: {")
+
+
+def test_out_dir_under_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"out_dir=.*file/run'?: .*file is a file, not a folder; choose another "
+                                          r"--out-dir"):
+        train(tiny(tmp_path, name="file/run", steps=1))

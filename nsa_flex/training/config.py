@@ -94,6 +94,8 @@ class TrainConfig:
     """Checkpoints, metrics.jsonl, TensorBoard events and the tokenised-text cache."""
     resume: str = "auto"
     """auto (latest checkpoint in out_dir if any), none, latest (one must exist), or a checkpoint path."""
+    allow_data_change: bool = False
+    """Resume even though data, seed, seq_len, tokenizer or text_key differ from the checkpoint's."""
     save_checkpoints: bool = True
     """Write checkpoints at all (benchmarks turn this off)."""
     checkpoint_every: int = 0
