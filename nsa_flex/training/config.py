@@ -51,7 +51,8 @@ class TrainConfig:
     model: NSAModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])
     """The language model (see nsa_flex.model)."""
     data: str = "kv"
-    """Synthetic task (kv, copy), a .bin token file, a text file/folder, or hf:<saved dataset>."""
+    """Synthetic task (kv, copy), stdlib (the standard library's .py sources), a .bin token file,
+    a text file/folder, or hf:<saved dataset>."""
     tokenizer: str = "byte"
     """"byte" or the path of a tokenizer.json (text data only)."""
     text_key: str = "text"
