@@ -131,10 +131,14 @@ def attention(
     # Rewritten after every (impl, T): a run cut short still leaves what it measured.
     rows = _run_with_progress("attention", run_suite, cfg, progress, on_rows=save)
     paths, md = save(rows)
-    for kind, path in paths.items():
-        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    _echo_paths(paths)
     typer.echo("")
     typer.echo(md)
+
+
+def _echo_paths(paths: dict) -> None:
+    for kind, path in paths.items():
+        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib is not importable (pip install matplotlib)")
 
 
 def _run_with_progress(suite: str, run_suite, cfg, show: bool, on_rows=None):
@@ -186,8 +190,7 @@ def decode(
     rows = _run_with_progress("decode", run_suite, cfg, progress)
     paths, md = write_report(out_dir, stem, suite="decode", config=cfg,
                              rows=rows, summary=decode_summary(cfg), notes=decode_notes(cfg), commit=git_commit)
-    for kind, path in paths.items():
-        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    _echo_paths(paths)
     typer.echo("")
     typer.echo(md)
 
@@ -235,7 +238,6 @@ def model(
     rows = _run_with_progress("model", run_suite, cfg, progress)
     paths, md = write_report(out_dir, stem, suite="model", config=cfg,
                              rows=rows, summary=model_summary(cfg), notes=model_notes(cfg), commit=git_commit)
-    for kind, path in paths.items():
-        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    _echo_paths(paths)
     typer.echo("")
     typer.echo(md)

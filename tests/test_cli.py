@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nsa_flex_cli.main import app
@@ -26,3 +29,31 @@ def test_demo_on_cpu_runs_and_names_the_path(impl, ran):
     assert result.exit_code == 0, result.output
     assert f"ran: impl={ran}" in result.output
     assert "output finite: True" in result.output and "Traceback" not in result.output
+
+
+def test_threads_option_and_default(monkeypatch):
+    from nsa_flex_cli import main
+
+    before = torch.get_num_threads()
+    try:
+        assert CliRunner().invoke(app, ["--threads", "3", "info"]).exit_code == 0
+        assert torch.get_num_threads() == 3
+        monkeypatch.setattr(main.os, "sched_getaffinity", lambda pid: {0, 1})
+        assert main.default_threads() == 1
+        assert CliRunner().invoke(app, ["info"]).exit_code == 0
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr(main.os, "sched_getaffinity", lambda pid: set(range(64)))
+        assert main.default_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cli_hides_the_eager_flex_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(app, ["bench", "attention", "--device", "cpu", "-T", "64", "--impls", "nsa-flex",
+                                          "--modes", "fwd", "--iters", "1", "--warmup", "0", "--check-seq-len", "64",
+                                          "-o", str(tmp_path), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "| nsa-flex | fwd |" in result.output
+    assert not [w for w in caught if "flex_attention called without torch.compile" in str(w.message)]

@@ -52,6 +52,8 @@ class TrainHooks:
     """Called with the step number before each step (e.g. sleep to test the watchdog)."""
     loss_transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     """Maps (step, loss) to the loss that is backpropagated (e.g. NaN to test the guard)."""
+    clock: Callable[[], float] | None = None
+    """The watchdog's clock in seconds (None: time.monotonic); a test's clock makes a stall exact."""
 
 
 @dataclass
@@ -106,7 +108,8 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
     hooks, writer = hooks or TrainHooks(), None
     # The watchdog covers everything after init: a collective that never returns, in set-up
     # or in a step, ends the run with stack traces. The first step also compiles.
-    dog = Watchdog(config.stall_timeout, first_timeout=config.first_step_timeout, rank=world.rank)
+    dog = Watchdog(config.stall_timeout, first_timeout=config.first_step_timeout, rank=world.rank,
+                   clock=hooks.clock or time.monotonic)
     try:
         dog.start()
         # 2. The config and the versions, before anything heavy.
