@@ -197,8 +197,14 @@ def test_text_data_end_to_end(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * 40}) + "\n" for i in range(20)))
     result = train(tiny(tmp_path, steps=2, data=str(corpus)))
-    assert len(result.losses) == 2
-    assert list((tmp_path / "run" / "data").glob("tokens-*.bin"))
+    # Untrained, the loss is about ln(vocab_size=512), and finite.
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+    assert abs(result.losses[0] - math.log(512)) < 1.0, result.losses
+    (token_file,) = (tmp_path / "run" / "data").glob("tokens-*.bin")
+    meta = json.loads(token_file.with_name(token_file.name + ".json").read_text())
+    want = [t for i in range(20) for t in [*f"document {i}: {'abc ' * 40}".encode(), 256]]
+    assert meta["n_tokens"] == len(want) and meta["n_documents"] == 20
+    assert torch.frombuffer(bytearray(token_file.read_bytes()), dtype=torch.uint16).tolist() == want
 
 
 @pytest.mark.parametrize("settings, match", [
