@@ -57,3 +57,11 @@ def test_cli_hides_the_eager_flex_warning(tmp_path):
     assert result.exit_code == 0, result.output
     assert "| nsa-flex | fwd |" in result.output
     assert not [w for w in caught if "flex_attention called without torch.compile" in str(w.message)]
+
+
+def test_generate_samples_by_default():
+    result = CliRunner().invoke(app, ["generate", "-p", "def ", "-n", "4"])
+    assert result.exit_code == 0, result.output
+    assert "sampling at temperature 0.8, top-k 20, seed 0" in result.output
+    greedy = CliRunner().invoke(app, ["generate", "-p", "def ", "-n", "4", "--temperature", "0"])
+    assert greedy.exit_code == 0 and "; greedy" in greedy.output
