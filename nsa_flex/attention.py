@@ -16,6 +16,7 @@ from nsa_flex.validate import check_inputs
 IMPLS = ("auto", "reference", "flex")
 """auto: flex on CUDA, reference elsewhere. flex off CUDA runs forward-only (see resolve_impl)."""
 
+# Reroutings already warned about: each is said once per process.
 _ROUTED: set[str] = set()
 
 
@@ -140,6 +141,7 @@ class NSAAttention(nn.Module):
             raise TypeError(f"dim={dim!r}: must be a positive integer, got {type(dim).__name__}")
         if dim <= 0:
             raise ValueError(f"dim={dim}: must be a positive integer")
+        # Unknown values fail here, not at the first forward.
         resolve_impl(impl, "cpu")
         self.config, self.dim, self.impl = config, dim, impl
         self.last_impl: str | None = None
