@@ -304,3 +304,17 @@ def test_module_input_dtype_and_type_errors():
         layer([[0.0] * DIM])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(torch.randn(1, 20, DIM)).shape == (1, 20, DIM)
+
+
+@pytest.mark.parametrize("autocast", [pytest.param(False, id="fp32"), pytest.param(True, id="autocast-bf16")])
+def test_module_compiles_whole(autocast):
+    """The input checks and the impl choice trace: one fullgraph frame equals eager, with gradients."""
+    torch._dynamo.reset()
+    module = NSAAttention(CFG, DIM)
+    x = torch.randn(2, 40, DIM, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(module, backend="eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want, got = module(x), compiled(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.float().sum().backward()
+    assert all(p.grad is not None for p in module.parameters())
