@@ -10,6 +10,7 @@ import typer
 app = typer.Typer(name="bench", no_args_is_help=True)
 
 _K = 1024
+_REPORT_SUFFIXES = (".json", ".md", ".png")
 
 
 @app.callback()
@@ -29,6 +30,25 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
                 f"(e.g. 8k,16k or 8192,16384)", param_hint=what)
         values.append(int(digits) * scale)
     return tuple(values)
+
+
+def free_stem(out_dir: Path, name: str | None, default: str, overwrite: bool) -> str:
+    """The file stem to write: --name (an error if its result exists, unless --overwrite), or the
+    default stem, with _2, _3, ... appended past earlier results of the same day (said so)."""
+    def taken(stem: str) -> Path | None:
+        return next((p for p in (out_dir / f"{stem}{ext}" for ext in _REPORT_SUFFIXES) if p.exists()), None)
+
+    stem = name or default
+    if overwrite or taken(stem) is None:
+        return stem
+    if name is not None:
+        raise typer.BadParameter(f"{taken(stem)} holds an earlier result named {name!r}; pass --overwrite to "
+                                 "replace it, or choose another --name", param_hint="--name")
+    n = 2
+    while taken(f"{stem}_{n}") is not None:
+        n += 1
+    typer.echo(f"{taken(stem)} exists: this run writes {stem}_{n}.* (pass --overwrite to replace {stem}.* instead)")
+    return f"{stem}_{n}"
 
 
 def parse_names(text: str) -> tuple[str, ...]:
@@ -70,6 +90,8 @@ def attention(
     seed: int = typer.Option(0, help="Random seed of the inputs."),
     out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_attention)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=(
+        "Replace an earlier result of the same --name (refused otherwise; without --name a new stem is picked)")),
     git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
@@ -100,7 +122,7 @@ def attention(
     typer.echo(f"bench attention: {attention_summary(cfg)}; T={list(cfg.seq_lens)}; impls={', '.join(cfg.impls)}")
     for why in cfg.left_out:
         typer.echo(f"left out (optional peer): {why}")
-    stem = name or default_stem("attention", cfg.device)
+    stem = free_stem(out_dir, name, default_stem("attention", cfg.device), overwrite)
 
     def save(rows):
         return write_report(out_dir, stem, suite="attention", config=cfg, rows=rows, summary=attention_summary(cfg),
@@ -109,10 +131,14 @@ def attention(
     # Rewritten after every (impl, T): a run cut short still leaves what it measured.
     rows = _run_with_progress("attention", run_suite, cfg, progress, on_rows=save)
     paths, md = save(rows)
-    for kind, path in paths.items():
-        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    _echo_paths(paths)
     typer.echo("")
     typer.echo(md)
+
+
+def _echo_paths(paths: dict) -> None:
+    for kind, path in paths.items():
+        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib is not importable (pip install matplotlib)")
 
 
 def _run_with_progress(suite: str, run_suite, cfg, show: bool, on_rows=None):
@@ -142,6 +168,8 @@ def decode(
     check: bool = typer.Option(True, "--check/--no-check", help="Check compiled decode against the reference first."),
     out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_decode)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=(
+        "Replace an earlier result of the same --name (refused otherwise; without --name a new stem is picked)")),
     git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
@@ -158,11 +186,11 @@ def decode(
     if cfg.device == "cpu":
         typer.echo("No CUDA device (or --device cpu): a tiny functional decode sweep; GPU figures need CUDA.")
     typer.echo(f"bench decode: {decode_summary(cfg)}; T={list(cfg.contexts)} B={list(cfg.batches)}")
+    stem = free_stem(out_dir, name, default_stem("decode", cfg.device), overwrite)
     rows = _run_with_progress("decode", run_suite, cfg, progress)
-    paths, md = write_report(out_dir, name or default_stem("decode", cfg.device), suite="decode", config=cfg,
+    paths, md = write_report(out_dir, stem, suite="decode", config=cfg,
                              rows=rows, summary=decode_summary(cfg), notes=decode_notes(cfg), commit=git_commit)
-    for kind, path in paths.items():
-        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    _echo_paths(paths)
     typer.echo("")
     typer.echo(md)
 
@@ -186,6 +214,8 @@ def model(
     seed: int = typer.Option(0, help="Seed of the model initialisation and the data."),
     out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_model)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=(
+        "Replace an earlier result of the same --name (refused otherwise; without --name a new stem is picked)")),
     git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
@@ -204,10 +234,10 @@ def model(
         typer.echo("No CUDA device (or --device cpu): a tiny CPU sweep that checks everything runs; "
                    "its times are no performance figure. GPU figures need CUDA.")
     typer.echo(f"bench model: {model_summary(cfg)}; (T, B)={list(cfg.shapes)}; attentions={', '.join(cfg.attentions)}")
+    stem = free_stem(out_dir, name, default_stem("model", cfg.device), overwrite)
     rows = _run_with_progress("model", run_suite, cfg, progress)
-    paths, md = write_report(out_dir, name or default_stem("model", cfg.device), suite="model", config=cfg,
+    paths, md = write_report(out_dir, stem, suite="model", config=cfg,
                              rows=rows, summary=model_summary(cfg), notes=model_notes(cfg), commit=git_commit)
-    for kind, path in paths.items():
-        typer.echo(f"wrote {kind}: {path}" if path else f"no {kind}: matplotlib missing (pip install 'nsa-flex[plot]')")
+    _echo_paths(paths)
     typer.echo("")
     typer.echo(md)

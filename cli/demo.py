@@ -14,7 +14,9 @@ def demo(
     seq_len: int = typer.Option(1024, "--seq-len", "-T", min=1, help="Tokens per sequence."),
     batch: int = typer.Option(1, "--batch", "-B", min=1, help="Sequences per batch."),
     dim: int = typer.Option(128, min=1, help="Model width of the layer's input and output."),
-    impl: str = typer.Option("reference", help="Implementation: reference or flex."),
+    impl: str = typer.Option("auto", help=(
+        "Implementation: auto (flex on CUDA, reference on CPU), reference or flex (forward only on CPU: "
+        "with gradients the reference runs there).")),
     steps: int = typer.Option(3, min=1, help="Timed forward+backward steps."),
     seed: int = typer.Option(0, help="Random seed."),
 ) -> None:
@@ -43,4 +45,5 @@ def demo(
         ms = (time.perf_counter() - start) * 1e3
         label = "warm-up" if step == 0 else f"step {step}"
         typer.echo(f"{label:>8}: forward+backward {ms:8.1f} ms, output finite: {bool(torch.isfinite(y).all())}")
+    typer.echo(f"ran: impl={layer.last_impl}" + ("" if layer.last_impl == impl else f" (asked for impl={impl})"))
     typer.echo(f"selection of the last token, kv head 0: {sel[0, 0, -1].tolist()}")

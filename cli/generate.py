@@ -17,8 +17,10 @@ def generate(
     tokens: Optional[list[str]] = typer.Option(None, "--tokens", "-t", help=(
         "Prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; instead of --prompt).")),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate per prompt."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy; otherwise softmax temperature."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Sample among the k most likely tokens."),
+    temperature: float = typer.Option(0.8, min=0.0, help=(
+        "Softmax temperature; 0 = greedy (a small byte-level model then often repeats one byte, e.g. spaces).")),
+    top_k: Optional[int] = typer.Option(20, "--top-k", min=1, help=(
+        "Sample among the k most likely tokens (with --temperature > 0).")),
     seed: int = typer.Option(0, help="Seeds the random model and the sampling."),
     device: str = typer.Option("auto", help="cpu, cuda, or auto (cuda when available)."),
     dtype: str = typer.Option("auto", help="fp32, bf16, or auto (bf16 on CUDA, fp32 on CPU)."),
@@ -43,7 +45,9 @@ def generate(
     model, tokenizer, source = _model(checkpoint, preset, dev, dt, seed, need_tokenizer=not tokens)
     prompts = _prompts(prompt, tokens, tokenizer)
     typer.echo(f"model: {source}; {model.num_params() / 1e6:.2f}M parameters, impl={model.config.impl}, "
-               f"{dev}, {str(dt).removeprefix('torch.')}, compile={'on' if compiled else 'off'}")
+               f"{dev}, {str(dt).removeprefix('torch.')}, compile={'on' if compiled else 'off'}; "
+               + ("greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
+                  + (f", top-k {top_k}" if top_k else "") + f", seed {seed}"))
     try:
         result = run_generate(model, prompts, max_new_tokens, sampling=sampling, compile=compiled)
     except ValueError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -13,7 +14,36 @@ from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.validate import check_inputs
 
-IMPLS = ("reference", "flex")
+IMPLS = ("auto", "reference", "flex")
+"""auto: flex on CUDA, reference elsewhere. flex off CUDA runs forward-only (see resolve_impl)."""
+
+# Reroutings already warned about: each is said once per process.
+_ROUTED: set[str] = set()
+
+
+def resolve_impl(impl: str, device: torch.device | str, needs_grad: bool = False) -> str:
+    """The implementation that runs for `impl` on `device`: "reference" or "flex". Unknown values raise.
+
+    "auto" is flex on CUDA and reference elsewhere. "flex" off CUDA with gradients needed runs
+    the reference (FlexAttention has no CPU backward) and warns once per process.
+    """
+    on_cuda = torch.device(device).type == "cuda"
+    match impl:
+        case "auto":
+            return "flex" if on_cuda else "reference"
+        case "reference":
+            return "reference"
+        case "flex" if on_cuda or not needs_grad:
+            return "flex"
+        case "flex":
+            if "flex" not in _ROUTED:
+                _ROUTED.add("flex")
+                warnings.warn("impl='flex' on CPU with gradients runs the reference implementation (FlexAttention "
+                              "has no CPU backward); pass impl='auto' or 'reference' to choose it yourself",
+                              stacklevel=3)
+            return "reference"
+        case _:
+            raise ValueError(f"unknown impl {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
 
 
 def nsa_attention(
@@ -25,7 +55,7 @@ def nsa_attention(
     gates: torch.Tensor,
     *,
     config: NSAConfig,
-    impl: str = "reference",
+    impl: str = "auto",
     block_indices: torch.Tensor | None = None,
     return_indices: bool = False,
     cu_seqlens: torch.Tensor | None = None,
@@ -44,12 +74,16 @@ def nsa_attention(
     document's compressed tokens in order, and block ids are document-local. k_win / v_win
     are the window branch's own keys and values when the branches have separate projections.
     impl chooses the implementation: "reference" (plain PyTorch, any device, gradients
-    everywhere) or "flex" (FlexAttention + the Triton selection op).
+    everywhere), "flex" (FlexAttention + the Triton selection op; on CPU forward only, so with
+    gradients there the reference runs) or "auto" (flex on CUDA, reference elsewhere); see
+    resolve_impl.
     """
     if not torch.compiler.is_compiling():
         # Value checks read tensors on the host; under torch.compile only shapes are checked.
         check_inputs(q, k, v, k_cmp, v_cmp, gates, config, block_indices, cu_seqlens, k_win, v_win)
-    match impl:
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
+    match resolve_impl(impl, q.device, needs_grad):
         case "reference":
             from nsa_flex import reference
 
@@ -65,8 +99,6 @@ def nsa_attention(
 
             o, sel = flex.nsa_flex(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
                                    cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
-        case _:
-            raise ValueError(f"unknown impl {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
     return (o, sel) if return_indices else o
 
 
@@ -106,19 +138,26 @@ class Gate(nn.Module):
 class NSAAttention(nn.Module):
     """An NSA attention layer: projections, compression phi, gates, output projection.
 
-    x [B, T, dim] -> [B, T, dim]. `impl` picks the implementation of the op (see nsa_attention).
+    x [B, T, dim] -> [B, T, dim]. `impl` picks the implementation of the op (see nsa_attention);
+    after each eager forward `last_impl` names the one that ran ("reference" or "flex").
     `rotary`, if given, is a callable (q, k) -> (q, k) applied to the selected/window keys and
     all queries; the compressed keys come from the un-rotated keys, since phi's intra-block
     position encoding already tells it where inside a block each token sits.
     """
 
-    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "reference", bias: bool = False):
+    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "auto", bias: bool = False):
         super().__init__()
-        if impl not in IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
+        if not isinstance(config, NSAConfig):
+            raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}; build one with "
+                            "NSAConfig(**settings) or take a preset from nsa_flex.PRESETS")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"dim={dim!r}: must be a positive integer, got {type(dim).__name__}")
         if dim <= 0:
             raise ValueError(f"dim={dim}: must be a positive integer")
+        # Unknown values fail here, not at the first forward.
+        resolve_impl(impl, "cpu")
         self.config, self.dim, self.impl = config, dim, impl
+        self.last_impl: str | None = None
         Hq, Hkv, Dk, Dv = config.n_heads, config.n_kv_heads, config.head_dim, config.dv
         self.wq = nn.Linear(dim, Hq * Dk, bias=bias)
         # One K/V projection for all branches, or one per branch (paper section 3.3.3).
@@ -153,8 +192,7 @@ class NSAAttention(nn.Module):
 
     def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
                 return_indices: bool = False):
-        if x_btc.dim() != 3 or x_btc.shape[-1] != self.dim:
-            raise ValueError(f"NSAAttention input has shape {tuple(x_btc.shape)}; expected [B, T, dim={self.dim}]")
+        self._check_input(x_btc)
         y, sel, _, _ = self.attend(x_btc, self.project(x_btc, rotary), cu_seqlens=cu_seqlens)
         return (y, sel) if return_indices else y
 
@@ -167,19 +205,39 @@ class NSAAttention(nn.Module):
         block_indices overrides the selection (see nsa_attention).
         """
         cfg = self.config
+        needs_grad = torch.is_grad_enabled() and (x_btc.requires_grad or self.wq.weight.requires_grad)
+        impl = resolve_impl(self.impl, x_btc.device, needs_grad)
+        if not torch.compiler.is_compiling():
+            self.last_impl = impl
         B, T, _ = x_btc.shape
         k_cmp = self.compress_k(pr.k_cmp, cu_seqlens)
         v_cmp = self.compress_v(pr.v_cmp, cu_seqlens)
         k_win, v_win = (pr.k_win, pr.v_win) if cfg.separate_kv else (None, None)
-        if self.impl == "flex":
+        if impl == "flex":
             y, sel = self._attend_flex(x_btc, pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, k_win, v_win, cu_seqlens,
                                        block_indices)
         else:
-            o, sel = nsa_attention(pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, self.gate(x_btc), config=cfg,
-                                   impl=self.impl, block_indices=block_indices, return_indices=True,
-                                   cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+            o, sel = nsa_attention(pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=impl,
+                                   block_indices=block_indices, return_indices=True, cu_seqlens=cu_seqlens,
+                                   k_win=k_win, v_win=v_win)
             y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
         return y, sel, k_cmp, v_cmp
+
+    def _check_input(self, x_btc) -> None:
+        if not isinstance(x_btc, torch.Tensor):
+            raise TypeError(f"NSAAttention input must be a torch.Tensor [B, T, dim={self.dim}], "
+                            f"got {type(x_btc).__name__}")
+        if x_btc.dim() != 3 or x_btc.shape[-1] != self.dim:
+            raise ValueError(f"NSAAttention input has shape {tuple(x_btc.shape)}; expected [B, T, dim={self.dim}]")
+        weight = self.wq.weight
+        # Under autocast the matmuls cast for themselves.
+        if x_btc.dtype != weight.dtype and not torch.is_autocast_enabled(x_btc.device.type):
+            raise TypeError(f"NSAAttention input has dtype {x_btc.dtype} but the layer's weights are {weight.dtype}; "
+                            f"cast one to the other (x.to({weight.dtype}) or layer.to({x_btc.dtype})), "
+                            "or run under torch.autocast")
+        if x_btc.device != weight.device:
+            raise ValueError(f"NSAAttention input is on {x_btc.device} but the layer's weights are on "
+                             f"{weight.device}; move one to the other (x.to(...) or layer.to(...))")
 
     def _attend_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens, block_indices):
         """The flex op's branches, then gates, gated sum and output projection as one checkpointed

@@ -72,10 +72,9 @@ def top_n_blocks(importance: torch.Tensor, t: torch.Tensor, config: NSAConfig) -
     order = torch.sort(score, dim=-1, descending=True, stable=True)
     n = config.n_selected
     k = min(n, Ns)
-    top = order.indices[..., :k].masked_fill(order.values[..., :k] == -math.inf, -1)
-    if k < n:
-        top = torch.cat([top, top.new_full((*top.shape[:-1], n - k), -1)], dim=-1)
-    return sort_block_indices(top)
+    # Work scales with the Ns blocks that exist: an n above Ns only adds unused (-1) slots.
+    top = sort_block_indices(order.indices[..., :k].masked_fill(order.values[..., :k] == -math.inf, -1))
+    return torch.nn.functional.pad(top, (0, n - k), value=-1)
 
 
 def sort_block_indices(idx: torch.Tensor) -> torch.Tensor:
@@ -83,3 +82,14 @@ def sort_block_indices(idx: torch.Tensor) -> torch.Tensor:
     big = torch.iinfo(idx.dtype).max
     s = torch.sort(idx.masked_fill(idx < 0, big), dim=-1).values
     return s.masked_fill(s == big, -1)
+
+
+def distinct_block_indices(idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[..., n] block ids in [-1, n_blocks) -> [..., min(n, n_blocks)]: each id once, ascending, -1 last.
+
+    A selection is a set of blocks: a repeated id counts once. At most n_blocks ids can be
+    distinct, so the width never exceeds the number of blocks that exist.
+    """
+    s = sort_block_indices(idx)
+    repeat = torch.cat([torch.zeros_like(s[..., :1], dtype=torch.bool), s[..., 1:] == s[..., :-1]], dim=-1)
+    return sort_block_indices(s.masked_fill(repeat, -1))[..., :max(1, min(idx.shape[-1], n_blocks))]

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+MAX_SELECTED = 4096
+"""Upper bound of n_selected: 4096 blocks are 262144 tokens at l'=64, past any sequence NSA is run on."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class NSAConfig:
@@ -29,7 +32,8 @@ class NSAConfig:
     sel_block: int = 64
     """l': tokens per selection block."""
     n_selected: int = 16
-    """n: selection blocks each query attends to (forced blocks included)."""
+    """n: selection blocks each query attends to (forced blocks included), at most MAX_SELECTED.
+    A sequence with fewer blocks selects all of them; the unused slots are -1."""
     n_initial: int = 1
     """Leading blocks (block 0, ...) that are always selected."""
     n_local: int = 2
@@ -61,6 +65,10 @@ class NSAConfig:
                  f"must be divisible by cmp_stride={self.cmp_stride}")
         _require("sel_block", self.sel_block, self.sel_block % self.cmp_stride == 0,
                  f"must be divisible by cmp_stride={self.cmp_stride}")
+        _require("n_selected", self.n_selected, self.n_selected <= MAX_SELECTED,
+                 f"must be <= {MAX_SELECTED}: a query attends to at most the selection blocks its sequence has "
+                 f"({MAX_SELECTED} blocks of l'={self.sel_block} are {MAX_SELECTED * self.sel_block} tokens), and "
+                 "the selection's output holds n slots per token")
         _require("n_selected", self.n_selected, self.n_selected >= self.n_initial + self.n_local,
                  f"must be >= n_initial + n_local = {self.n_initial + self.n_local} (the forced blocks)")
 

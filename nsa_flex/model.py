@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nsa_flex.attention import NSAAttention
+from nsa_flex.attention import IMPLS, NSAAttention, resolve_impl
 from nsa_flex.config import NSAConfig
 
 ATTENTIONS = ("nsa", "dense")
-MODEL_IMPLS = ("auto", "reference", "flex")
+MODEL_IMPLS = IMPLS
 IGNORE_INDEX = -100
 """Targets equal to this take no part in the loss (unpredictable positions of a task)."""
 
@@ -86,17 +86,6 @@ class NSAModelConfig:
     def resolve(self, device: torch.device | str) -> "NSAModelConfig":
         """This config with impl="auto" made concrete for `device` (the one place it is decided)."""
         return self.replace(impl=resolve_impl(self.impl, torch.device(device)))
-
-
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """"auto" -> "flex" on CUDA, "reference" elsewhere; concrete values pass; others raise."""
-    match impl:
-        case "auto":
-            return "flex" if device.type == "cuda" else "reference"
-        case "reference" | "flex":
-            return impl
-        case _:
-            raise ValueError(f"unknown impl {impl!r}; allowed: {', '.join(MODEL_IMPLS)}")
 
 
 MODEL_PRESETS: dict[str, NSAModelConfig] = {

@@ -96,6 +96,21 @@ def _check_indices(idx, B, Hkv, T, config, device, cu_seqlens) -> None:
             f"of {config.sel_block} tokens for {where}); got {int(idx[b, h, t, slot])} at "
             f"[b={b}, kv_head={h}, t={t}, slot={slot}]"
         )
+    _check_distinct(idx)
+
+
+def _check_distinct(idx) -> None:
+    """Each token's selection is a set: a block id may appear once; -1 (unused) may repeat."""
+    s, order = torch.sort(idx, dim=-1, stable=True)
+    repeat = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    if bool(repeat.any()):
+        b, h, t, i = (int(x) for x in repeat.nonzero()[0])
+        slots = sorted(int(order[b, h, t, j]) for j in (i, i + 1))
+        raise ValueError(
+            f"block_indices lists block {int(s[b, h, t, i])} twice for [b={b}, kv_head={h}, t={t}] "
+            f"(slots {slots[0]} and {slots[1]}: {idx[b, h, t].tolist()}); each token's block ids must be "
+            f"distinct, with -1 for unused slots"
+        )
 
 
 def _check_cu_seqlens(cu, B, T) -> None:

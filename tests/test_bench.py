@@ -288,3 +288,24 @@ def test_flex_check_covers_the_long_sequence_tiles(monkeypatch):
     assert check(Problem(cfg, 64)).err < 1e-5
     monkeypatch.setattr(flex, "nsa_flex", broken_long_tiles)
     assert check(Problem(cfg, 64)).err > 1e-2
+
+
+def test_cli_never_overwrites_an_earlier_result_silently(monkeypatch, tmp_path):
+    from nsa_flex.bench import default_stem
+
+    monkeypatch.setattr("nsa_flex.bench.run_suite", lambda name, cfg, progress=None, on_rows=None: [])
+    args = ["attention", "--device", "cpu", "-T", "64", "--impls", "dense", "--no-progress", "-o", str(tmp_path)]
+    (tmp_path / "x.json").write_text("{}")
+    refused = runner.invoke(app, [*args, "--name", "x"])
+    assert refused.exit_code == 2
+    assert "holds an earlier result named 'x'; pass --overwrite" in " ".join(refused.output.replace("│", " ").split())
+    assert (tmp_path / "x.json").read_text() == "{}"
+    replaced = runner.invoke(app, [*args, "--name", "x", "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert json.loads((tmp_path / "x.json").read_text())["schema"]
+    stem = default_stem("attention", "cpu")
+    (tmp_path / f"{stem}.md").write_text("earlier")
+    renamed = runner.invoke(app, args)
+    assert renamed.exit_code == 0, renamed.output
+    assert f"this run writes {stem}_2.*" in renamed.output
+    assert (tmp_path / f"{stem}.md").read_text() == "earlier" and (tmp_path / f"{stem}_2.json").is_file()

@@ -5,8 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from nsa_flex import PRESETS, NSAConfig
+from nsa_flex import PRESETS, NSAConfig, nsa_attention
+from nsa_flex.config import MAX_SELECTED
+from nsa_flex.flex.masks import selection_block_mask
+from nsa_flex.ops import select_blocks_torch
+from naive import random_inputs
 
 POSITIVE = ("n_heads", "n_kv_heads", "head_dim", "cmp_block", "cmp_stride", "sel_block", "n_selected", "window")
 
@@ -109,3 +116,54 @@ def test_paper_preset():
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv) == (64, 4, 192, 128)
     assert (cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window) == (32, 16, 64, 16, 512)
     assert (cfg.n_initial, cfg.n_local, cfg.group_size) == (1, 2, 16)
+
+
+@pytest.mark.parametrize("value", [4097, 10**6, 10**9])
+def test_n_selected_upper_bound(value):
+    with pytest.raises(ValueError, match=rf"NSAConfig\.n_selected={value}: must be <= {MAX_SELECTED}: a query "
+                                         r"attends to at most the selection blocks its sequence has"):
+        NSAConfig(n_selected=value)
+    assert NSAConfig(n_selected=MAX_SELECTED).n_selected == MAX_SELECTED
+
+
+class _Elements(TorchDispatchMode):
+    """Counts the elements of every tensor the aten ops in scope create (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.total += sum(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _selection_work(n: int) -> dict[str, int]:
+    """Elements created by the reference op, the selection twin and the flex selection mask at T=64."""
+    cfg = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=16, cmp_block=16, cmp_stride=8, sel_block=16,
+                    n_selected=n, window=32)
+    x = random_inputs(cfg, T=64, dtype=torch.float32)
+    lse = torch.zeros(1, 4, 64)
+    work = {}
+    with torch.no_grad():
+        with _Elements() as m:
+            _, sel = nsa_attention(**x, config=cfg, impl="reference", return_indices=True)
+        work["reference"] = m.total
+        with _Elements() as m:
+            select_blocks_torch(x["q"], x["k_cmp"], lse, cfg)
+        work["select twin"] = m.total
+        with _Elements() as m:
+            selection_block_mask(sel, 64, 2, cfg)
+        work["flex mask"] = m.total
+    return work
+
+
+def test_work_scales_with_the_blocks_that_exist():
+    """At T=64 (4 blocks of 16), n=4096 costs what n=4 costs plus a few passes over its [B, Hkv, T, n] output."""
+    small, big = _selection_work(4), _selection_work(MAX_SELECTED)
+    out = 2 * 64 * MAX_SELECTED
+    passes = {"reference": 4, "select twin": 4, "flex mask": 20}
+    for name, extra in passes.items():
+        assert big[name] - small[name] <= extra * out, (name, big[name] - small[name], out)

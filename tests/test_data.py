@@ -5,13 +5,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
 from nsa_flex.training.data import DataError, ShardedBatches, SyntheticTask, TokenFile
 from nsa_flex.model import IGNORE_INDEX
-from nsa_flex.training.tokens import build_token_file, cached_token_file, load_tokenizer, open_source
+from nsa_flex.training import tokens
+from nsa_flex.training.tokens import build_token_file, cached_token_file, load_tokenizer, open_source, stdlib_files
 
 
 def test_kv_task_structure():
@@ -153,3 +156,27 @@ def test_hf_dataset_without_datasets_is_a_clear_error(tmp_path):
     (tmp_path / "ds" / "state.json").write_text("{}")
     with pytest.raises(DataError, match="needs the `datasets` package"):
         open_source(f"hf:{tmp_path / 'ds'}", seq_len=16, seed=0, tokenizer="byte", cache_dir=tmp_path / "c")
+
+
+def test_stdlib_files_are_the_standard_library_in_a_fixed_order():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files()
+    rel = [p.relative_to(root).as_posix() for p in files]
+    assert rel == sorted(rel) and "os.py" in rel and "json/decoder.py" in rel
+    assert not [r for r in rel if r.split("/")[0] in ("site-packages", "dist-packages", "test")]
+    assert all(p.suffix == ".py" for p in files)
+
+
+def test_stdlib_source_end_to_end(tmp_path, monkeypatch):
+    """--data stdlib: byte tokens of the sources in path order, each file one document."""
+    lib = tmp_path / "lib"
+    for rel, text in {"b.py": "def b():\n    return 2\n", "a/x.py": "import os\n", "site-packages/p.py": "x = 1\n",
+                      "test/t.py": "assert 1\n", "a/notes.txt": "not python\n"}.items():
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text(text)
+    monkeypatch.setattr(tokens.sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    source = open_source("stdlib", seq_len=8, seed=0, tokenizer="byte", cache_dir=tmp_path / "cache")
+    want = list(b"import os\n") + [256] + list(b"def b():\n    return 2\n") + [256]
+    assert source.tokens.tolist() == want and source.vocab_size == 257
+    inputs, targets = source.sample(0)
+    assert inputs.shape == (8,) and torch.equal(inputs[1:], targets[:-1])

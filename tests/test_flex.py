@@ -391,6 +391,28 @@ def test_selection_bits_high_bit():
     assert allowed == [0, 31, 32, 63]
 
 
+def test_selection_bits_repeated_ids():
+    """A repeated id sets its own bit once: [0, 0] is block 0, never block 1 (0b01 + 0b01 = 0b10)."""
+    idx = torch.tensor([[0, 0, -1, -1], [33, 5, 33, 33], [-1, -1, -1, -1]]).view(1, 1, 3, 4)
+    assert selection_bits(idx, 40)[0, 0].tolist() == [[1, 0], [32, 2], [0, 0]]
+
+
+@pytest.mark.parametrize("rows", [
+    pytest.param(([0, 0, -1, -1], [1, 1, 1, 0]), id="repeat-first-block"),
+    pytest.param(([2, -1, 2, 3], [3, 2, 3, 2]), id="repeat-apart"),
+])
+def test_repeated_ids_match_reference(rows):
+    """The flex op itself (no input checks) reads a repeated id as that block once, as the reference does."""
+    cfg = small_config(4, 16, 8, Hkv=2, sel_block=16, cmp_block=16, cmp_stride=8)
+    T = 70
+    x = random_inputs(cfg, T, seed=3)
+    idx = torch.tensor(rows).view(1, 2, 1, 4).expand(1, 2, T, 4).contiguous()
+    o_ref, _ = nsa_reference(**x, config=cfg, block_indices=idx)
+    with torch.no_grad():
+        o, _ = nsa_flex(**x, config=cfg, block_indices=idx)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("G,q_block,expected", [(16, 16, 1), (4, 16, 4), (1, 16, 16), (3, 16, 6), (32, 16, 1),
                                                  (6, 32, 6)])
 def test_tokens_per_tile(G, q_block, expected):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.func import functional_call
 
-from nsa_flex import Compressor, Gate, NSAAttention, NSAConfig
+from nsa_flex import Compressor, Gate, NSAAttention, NSAConfig, attention, nsa_attention
+from nsa_flex.attention import resolve_impl
+from naive import random_inputs
 from nsa_flex.compression import compressed_seqlens
 
 CFG = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=12, head_dim_v=20, cmp_block=16, cmp_stride=8, sel_block=32,
@@ -233,8 +237,84 @@ def test_module_flex_forward_equals_reference(separate_kv, T):
     assert torch.equal(sel_got, sel_want)
 
 
-def test_module_flex_rejects_cpu_gradients():
-    module = make_module()
-    module.impl = "flex"
-    with pytest.raises(RuntimeError, match="no backward on CPU"):
-        module(torch.randn(1, 40, DIM, dtype=torch.float64))
+def test_module_flex_with_cpu_gradients_runs_the_reference():
+    """The README's `NSAAttention(config, dim, impl="flex")` trains on CPU: the reference runs, said once."""
+    x = torch.randn(1, 40, DIM, dtype=torch.float64, requires_grad=True)
+    want = make_module(impl="reference")(x)
+    module = make_module(impl="flex")
+    attention._ROUTED.clear()
+    with pytest.warns(UserWarning, match=r"impl='flex' on CPU with gradients runs the reference implementation"):
+        got = module(x)
+    assert module.last_impl == "reference"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.sum().backward()
+    assert torch.isfinite(x.grad).all() and all(p.grad is not None for p in module.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module(x)
+    with torch.no_grad():
+        module(x)
+    assert module.last_impl == "flex"
+
+
+def test_impl_auto_is_the_default():
+    module = NSAAttention(CFG, DIM)
+    assert module.impl == "auto"
+    module(torch.randn(1, 20, DIM))
+    assert module.last_impl == "reference"
+    assert resolve_impl("auto", "cpu") == resolve_impl("reference", "cuda") == "reference"
+    assert resolve_impl("auto", "cuda") == resolve_impl("flex", "cuda", needs_grad=True) == "flex"
+    assert resolve_impl("flex", "cpu") == "flex"
+    with pytest.raises(ValueError, match=r"unknown impl 'fast'; allowed: 'auto', 'reference', 'flex'"):
+        resolve_impl("fast", "cpu")
+
+
+def test_op_flex_with_cpu_gradients_equals_reference():
+    cfg = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=8, cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3,
+                    window=16)
+    x = {k: t.requires_grad_() for k, t in random_inputs(cfg, 40).items()}
+    attention._ROUTED.add("flex")
+    o = nsa_attention(**x, config=cfg, impl="flex")
+    want = nsa_attention(**x, config=cfg, impl="reference")
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    o.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in x.values())
+
+
+@pytest.mark.parametrize("config, dim, error, message", [
+    pytest.param(CFG, 64.5, TypeError, r"dim=64\.5: must be a positive integer, got float", id="float-dim"),
+    pytest.param(CFG, "64", TypeError, r"dim='64': must be a positive integer, got str", id="str-dim"),
+    pytest.param(CFG, True, TypeError, r"dim=True: must be a positive integer, got bool", id="bool-dim"),
+    pytest.param({"n_heads": 4}, 64, TypeError, r"config must be an NSAConfig, got dict; build one with "
+                 r"NSAConfig\(\*\*settings\)", id="dict-config"),
+    pytest.param(CFG, 64, ValueError, r"unknown impl 'fast'; allowed: 'auto', 'reference', 'flex'", id="impl"),
+])
+def test_module_constructor_errors(config, dim, error, message):
+    impl = "fast" if "impl" in message else "auto"
+    with pytest.raises(error, match=message):
+        NSAAttention(config, dim, impl=impl)
+
+
+def test_module_input_dtype_and_type_errors():
+    layer = NSAAttention(CFG, DIM)
+    with pytest.raises(TypeError, match=r"NSAAttention input has dtype torch.float64 but the layer's weights are "
+                                        r"torch.float32; cast one to the other"):
+        layer(torch.randn(1, 20, DIM, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"NSAAttention input must be a torch.Tensor \[B, T, dim=24\], got list"):
+        layer([[0.0] * DIM])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(1, 20, DIM)).shape == (1, 20, DIM)
+
+
+@pytest.mark.parametrize("autocast", [pytest.param(False, id="fp32"), pytest.param(True, id="autocast-bf16")])
+def test_module_compiles_whole(autocast):
+    """The input checks and the impl choice trace: one fullgraph frame equals eager, with gradients."""
+    torch._dynamo.reset()
+    module = NSAAttention(CFG, DIM)
+    x = torch.randn(2, 40, DIM, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(module, backend="eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want, got = module(x), compiled(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.float().sum().backward()
+    assert all(p.grad is not None for p in module.parameters())

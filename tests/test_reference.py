@@ -327,8 +327,8 @@ def test_varlen_op_with_given_indices():
     Tc = int(cu_cmp[-1])
     x["k_cmp"] = torch.randn(1, Tc, 1, cfg.head_dim, generator=gen, dtype=torch.float64)
     x["v_cmp"] = torch.randn(1, Tc, 1, cfg.dv, generator=gen, dtype=torch.float64)
-    idx = torch.cat([torch.randint(-1, -(-n // cfg.sel_block), (1, 1, n, cfg.n_selected), generator=gen)
-                     for n in docs], dim=2)
+    # Distinct ids per token (a random subset of the document's blocks), -1 in the other slots.
+    idx = torch.cat([_distinct_ids(n, -(-n // cfg.sel_block), cfg.n_selected, gen) for n in docs], dim=2)
     o = nsa_attention(**x, config=cfg, cu_seqlens=cu, block_indices=idx)
     for i in range(len(docs)):
         s, e, cs, ce = int(cu[i]), int(cu[i + 1]), int(cu_cmp[i]), int(cu_cmp[i + 1])
@@ -336,3 +336,12 @@ def test_varlen_op_with_given_indices():
         o_naive, _ = naive_nsa(**part, k_cmp=x["k_cmp"][:, cs:ce], v_cmp=x["v_cmp"][:, cs:ce], cfg=cfg,
                                block_indices=idx[:, :, s:e])
         torch.testing.assert_close(o[:, s:e], o_naive, rtol=1e-10, atol=1e-10)
+
+
+def _distinct_ids(T: int, n_blocks: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """[1, 1, T, n]: per token up to n distinct random block ids below n_blocks, -1 in the rest."""
+    keys = torch.rand(T, max(n, n_blocks), generator=gen)
+    keys[:, n_blocks:] = 2.0
+    ids = keys.argsort(-1)[:, :n]
+    drop = torch.rand(T, n, generator=gen) < 0.3
+    return torch.where((ids >= n_blocks) | drop, -1, ids)[None, None]

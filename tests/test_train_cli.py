@@ -63,3 +63,43 @@ def test_train_command_errors(tmp_path, args, message):
     result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "-o", str(tmp_path), *args])
     assert result.exit_code == 2, result.output
     assert "error:" in result.output and message in result.output
+
+
+def test_help_shows_the_defaults():
+    result = CliRunner().invoke(app, ["train", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    text = " ".join(result.output.replace("│", " ").split())
+    for flag, default in (("--steps", "Default: 50."), ("--lr", "Default: 0.003 (tiny preset), 0.0006"),
+                          ("--out-dir", "Default: runs/train."), ("--seq-len", "Default: 128 (tiny preset), 2048"),
+                          ("--batch-size", "Default: 8 (tiny preset), 16")):
+        assert flag in text and default in text, (flag, default)
+
+
+def test_rerun_of_a_finished_run_says_how_to_continue(tmp_path):
+    args = ["train", *FAST, "--steps", "2", "-o", str(tmp_path)]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert "nothing to train: the run is already at step 2 of --steps 2. To continue it, raise --steps " \
+           "(e.g. --steps 4)" in again.output
+    assert "final loss None" not in again.output and "0 tok/s" not in again.output
+    assert {"config.json", "train.log", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_resume_with_other_data_is_refused(tmp_path):
+    assert CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "-o", str(tmp_path)]).exit_code == 0
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "2", "-o", str(tmp_path), "--data", "copy"])
+    assert result.exit_code == 2, result.output
+    assert "data: checkpoint 'kv', now 'copy'" in result.output and "--allow-data-change" in result.output
+    allowed = CliRunner().invoke(app, ["train", *FAST, "--steps", "2", "-o", str(tmp_path), "--data", "copy",
+                                       "--allow-data-change"])
+    assert allowed.exit_code == 0, allowed.output
+    assert "done: step 2" in allowed.output
+
+
+def test_out_dir_under_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "-o", str(tmp_path / "file" / "run")])
+    assert result.exit_code == 2, result.output
+    assert "is a file, not a folder; choose another --out-dir" in result.output
+    assert "NotADirectoryError" not in result.output

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nsa_flex import NSAAttention, NSAConfig, nsa_attention
-from naive import random_inputs
+from naive import naive_nsa, random_inputs
 
 # T=40: Tc = (40 - 8) // 4 + 1 = 9 compression blocks, Ns = 5 selection blocks.
 CFG = NSAConfig(n_heads=4, n_kv_heads=2, head_dim=8, head_dim_v=6, cmp_block=8, cmp_stride=4, sel_block=8,
@@ -26,8 +26,16 @@ def call(x: dict, **kwargs):
     return nsa_attention(**x, config=kwargs.pop("config", CFG), **kwargs)
 
 
-def test_valid_inputs_pass():
-    assert call(inputs()).shape == (1, T, 4, 6)
+@pytest.mark.parametrize("impl", ["reference", "flex"])
+def test_valid_inputs_pass(impl):
+    """Checked inputs go through unchanged: the output and selection are the naive oracle's."""
+    x = inputs()
+    with torch.no_grad():
+        o, sel = call(x, impl=impl, return_indices=True)
+    want, chosen = naive_nsa(**x, cfg=CFG)
+    assert o.shape == (1, T, 4, 6) and o.dtype == torch.float32
+    torch.testing.assert_close(o.double(), want, rtol=0, atol=1e-5)
+    assert [[sorted(int(j) for j in sel[0, h, t] if j >= 0) for t in range(T)] for h in range(2)] == chosen[0]
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "k_cmp", "v_cmp", "gates"])
@@ -120,12 +128,40 @@ def test_empty_sequence():
 # --- block_indices --------------------------------------------------------------------
 
 def good_indices(dtype=torch.int64) -> torch.Tensor:
-    return torch.zeros(1, 2, T, 3, dtype=dtype)
+    """Blocks 0 and 1 for every token, the third slot unused."""
+    return torch.tensor([0, 1, -1], dtype=dtype).expand(1, 2, T, 3).clone()
 
 
-def test_valid_indices_pass():
+@pytest.mark.parametrize("impl", ["reference", "flex"])
+def test_valid_indices_pass(impl):
+    # Unsorted ids, unused slots in the middle, a block after some tokens, the last block.
     idx = good_indices(torch.int32)
     idx[..., 1], idx[..., 2] = -1, 4
+    idx[0, 1, ::3] = torch.tensor([3, -1, 1], dtype=torch.int32)
+    x = inputs()
+    with torch.no_grad():
+        o, used = call(x, block_indices=idx, impl=impl, return_indices=True)
+    want, _ = naive_nsa(**x, cfg=CFG, block_indices=idx)
+    assert torch.equal(used, idx)
+    torch.testing.assert_close(o.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "flex"])
+@pytest.mark.parametrize("row, block, slots", [
+    pytest.param([0, 0, -1], 0, (0, 1), id="adjacent"),
+    pytest.param([2, -1, 2], 2, (0, 2), id="apart"),
+])
+def test_repeated_indices_rejected(impl, row, block, slots):
+    idx = good_indices()
+    idx[0, 1, 17] = torch.tensor(row)
+    with pytest.raises(ValueError, match=rf"block_indices lists block {block} twice for \[b=0, kv_head=1, t=17\] "
+                                         rf"\(slots {slots[0]} and {slots[1]}: .*\); each token's block ids must be "
+                                         r"distinct, with -1 for unused slots"):
+        call(inputs(), block_indices=idx, impl=impl)
+
+
+def test_unused_slots_may_repeat():
+    idx = torch.tensor([2, -1, -1]).expand(1, 2, T, 3).clone()
     call(inputs(), block_indices=idx)
 
 
@@ -239,12 +275,12 @@ def test_window_kv_not_a_tensor():
 
 @pytest.mark.parametrize("impl", ["triton", "Reference", "", None])
 def test_unknown_impl(impl):
-    with pytest.raises(ValueError, match=rf"unknown impl {re.escape(repr(impl))}; allowed: 'reference', 'flex'"):
+    with pytest.raises(ValueError, match=rf"unknown impl {re.escape(repr(impl))}; allowed: 'auto', 'reference', 'flex'"):
         call(inputs(), impl=impl)
 
 
 def test_module_rejects_unknown_impl_and_bad_dim():
-    with pytest.raises(ValueError, match=r"unknown impl 'fast'; allowed: 'reference', 'flex'"):
+    with pytest.raises(ValueError, match=r"unknown impl 'fast'; allowed: 'auto', 'reference', 'flex'"):
         NSAAttention(CFG, 32, impl="fast")
     with pytest.raises(ValueError, match=r"dim=0: must be a positive integer"):
         NSAAttention(CFG, 0)

@@ -4,7 +4,11 @@ A checkpoint is one file `out_dir/checkpoints/step_<8-digit step>.pt` holding th
 optimizer, the LR scheduler, the GradScaler (fp16), the data position, the RNG states, the
 non-finite counters and the config. It is written to a temporary file in the same folder,
 fsync'ed, and renamed over the final name, so a run killed at any moment leaves either the
-complete new checkpoint or none (stray `.tmp-*` files are never read). It loads with
+complete new checkpoint or none (stray `.tmp-*` files are never read). Beside it,
+`step_<step>.pt.sha256` holds the file's SHA-256 (in `sha256sum` format), written before the
+checkpoint's rename; `load` checks it first, so flipped or missing bytes are an error that
+names the newest checkpoint that still verifies. A file without that sidecar (copied by
+hand, or written by an older version) loads unverified. Loading uses
 `torch.load(weights_only=True)`: no pickled code runs.
 
 Model and optimizer states are full (unsharded) state dicts keyed by parameter name, gathered
@@ -13,6 +17,7 @@ with torch.distributed.checkpoint's helpers, so one file serves one process, DDP
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -62,43 +67,104 @@ def find_resume(resume: str, out_dir: str | Path) -> Path | None:
             return path
 
 
+def checksum_path(path: Path) -> Path:
+    """The SHA-256 sidecar of a checkpoint file."""
+    return path.with_name(f"{path.name}.sha256")
+
+
 def save(path: Path, state: dict) -> None:
-    """Write `state` to `path` atomically (temp file, fsync, rename)."""
+    """Write `state` to `path` atomically (temp file, fsync, rename), its checksum sidecar first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    _write_atomic(checksum_path(path), f"{sha256_of(tmp)}  {path.name}\n".encode())
     os.replace(tmp, path)
     # The rename itself must reach the disk before older checkpoints are pruned.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def load(path: Path) -> dict:
+    """Verify a checkpoint's checksum, then read it with weights_only=True; any failure is a
+    CheckpointError naming the file (and the newest checkpoint beside it that verifies)."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {problem}{_newest_good_hint(path)}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and cannot be read "
+                              f"({_load_error(e)}){_newest_good_hint(path)}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an nsa-flex training checkpoint (expected format {FORMAT!r})")
+    return state
+
+
+def verify(path: Path) -> str | None:
+    """None if `path` matches its checksum sidecar (or has none); else what is wrong."""
+    sidecar = checksum_path(path)
+    if not sidecar.is_file():
+        return None
+    fields = sidecar.read_text(errors="replace").split()
+    if not fields or len(fields[0]) != 64:
+        return f"its checksum file {sidecar.name} is unreadable"
+    actual = sha256_of(path)
+    if actual != fields[0].lower():
+        return f"its SHA-256 is {actual[:16]}..., but {sidecar.name} says {fields[0][:16]}... (bytes changed on disk)"
+    return None
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _newest_good_hint(path: Path) -> str:
+    """'; the newest checkpoint that verifies is ...' among the run's other checkpoints, newest first."""
+    others = [p for _, p in reversed(list_checkpoints(path.parent.parent)) if p != path]
+    good = next((p for p in others if verify(p) is None), None)
+    if good is not None:
+        return f"; the newest checkpoint that verifies is {good} (resume from it with --resume {good})"
+    return "; no other checkpoint of this run verifies" if others else ""
+
+
+def _load_error(e: Exception) -> str:
+    """torch.load's error, without its advice to load with weights_only=False (never safe here)."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    if "weights_only" in first or "Weights only" in first:
+        return f"{type(e).__name__}: not a file torch.load(weights_only=True) can read"
+    return f"{type(e).__name__}: {first}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
-def load(path: Path) -> dict:
-    """Read a checkpoint with weights_only=True; any failure is a CheckpointError naming the file."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        older = [p for _, p in list_checkpoints(path.parent.parent) if p != path]
-        hint = f"; an older one is {older[-1]}" if older else ""
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and cannot be read "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an nsa-flex training checkpoint (expected format {FORMAT!r})")
-    return state
-
-
 def prune(out_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints."""
+    """Delete all but the newest `keep` checkpoints (and their checksums)."""
     for _, path in list_checkpoints(out_dir)[:-keep]:
         path.unlink(missing_ok=True)
+        checksum_path(path).unlink(missing_ok=True)
 
 
 def model_and_optimizer_state(model, optimizer) -> tuple[dict, dict]:
@@ -129,6 +195,34 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+DATA_SETTINGS = ("data", "seed", "seq_len", "tokenizer", "text_key")
+"""The TrainConfig fields that choose the data stream a checkpoint's data position points into."""
+
+
+def data_changes(state: dict, config: dict) -> list[str]:
+    """'name: checkpoint X, now Y' for each data setting that differs (seq_len resolved to T)."""
+    saved = state["config"]
+
+    def value(cfg: dict, name: str):
+        if name == "seq_len" and cfg.get("seq_len") is None:
+            return cfg.get("model", {}).get("max_seq_len")
+        return cfg.get(name)
+
+    return [f"{k}: checkpoint {value(saved, k)!r}, now {value(config, k)!r}"
+            for k in DATA_SETTINGS if value(saved, k) != value(config, k)]
+
+
+def check_same_data(state: dict, config: dict, path: Path, allow: bool) -> list[str]:
+    """The data changes against a checkpoint; an error unless `allow` (then they are returned)."""
+    changes = data_changes(state, config)
+    if changes and not allow:
+        raise CheckpointError(
+            f"{path} was trained on other data settings ({'; '.join(changes)}): resuming would continue on "
+            "another data stream. Use the checkpoint's settings, another --out-dir (or --resume none), or "
+            "--allow-data-change to continue on the new data on purpose")
+    return changes
 
 
 def check_compatible(state: dict, model_config: dict, path: Path) -> None:

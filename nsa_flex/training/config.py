@@ -51,7 +51,8 @@ class TrainConfig:
     model: NSAModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])
     """The language model (see nsa_flex.model)."""
     data: str = "kv"
-    """Synthetic task (kv, copy), a .bin token file, a text file/folder, or hf:<saved dataset>."""
+    """Synthetic task (kv, copy), stdlib (the standard library's .py sources), a .bin token file,
+    a text file/folder, or hf:<saved dataset>."""
     tokenizer: str = "byte"
     """"byte" or the path of a tokenizer.json (text data only)."""
     text_key: str = "text"
@@ -94,6 +95,8 @@ class TrainConfig:
     """Checkpoints, metrics.jsonl, TensorBoard events and the tokenised-text cache."""
     resume: str = "auto"
     """auto (latest checkpoint in out_dir if any), none, latest (one must exist), or a checkpoint path."""
+    allow_data_change: bool = False
+    """Resume even though data, seed, seq_len, tokenizer or text_key differ from the checkpoint's."""
     save_checkpoints: bool = True
     """Write checkpoints at all (benchmarks turn this off)."""
     checkpoint_every: int = 0

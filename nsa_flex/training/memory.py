@@ -34,6 +34,11 @@ from nsa_flex.flex.tuning import FlexTiles
 
 GIB = 2**30
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+MEMORY_IMPLS = ("flex", "reference")
+"""The NSA paths whose masks an estimate can count (a model's "auto" is resolved before)."""
+PARALLELS = ("none", "ddp", "fsdp")
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -93,8 +98,10 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     sel_q_block: query rows per block of the selected branch's folded BlockMask (None: the
     length-based default of nsa_flex.flex.tuning.FlexTiles.sel_rows).
     """
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={precision!r}: allowed fp32, bf16, fp16")
+    for name, value, allowed in (("precision", precision, PRECISIONS), ("impl", impl, MEMORY_IMPLS),
+                                 ("parallel", parallel, PARALLELS)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: allowed {', '.join(allowed)}")
     counts = count_params(config)
     shard = world_size if parallel == "fsdp" else 1
     a = 4 if precision == "fp32" else 2

@@ -12,6 +12,7 @@ import logging
 import platform
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -52,6 +53,41 @@ class LoggingCallback:
 
     def on_end(self, summary: dict) -> None:
         log.info("done: %s", json.dumps(summary, default=str))
+
+
+class RunLog:
+    """Passes every event on to `inner` and keeps the run folder readable (rank 0 only):
+    config.json (this call's config, versions and plan) and train.log (appended, timestamped:
+    the start, notices, a line every `log_every` steps and the last, the end)."""
+
+    def __init__(self, out_dir: Path, inner: TrainCallback, log_every: int):
+        self.out_dir, self.inner, self.log_every = out_dir, inner, log_every
+        self._log = open(out_dir / "train.log", "a")
+
+    def _write(self, text: str) -> None:
+        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        self._log.flush()
+
+    def on_start(self, info: dict) -> None:
+        (self.out_dir / "config.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
+        self._write("start: " + json.dumps(info, default=str))
+        self.inner.on_start(info)
+
+    def on_step(self, m: dict) -> None:
+        if m["step"] % self.log_every == 0 or m["step"] == m["total_steps"] or m["skipped"]:
+            self._write(format_step(m))
+        self.inner.on_step(m)
+
+    def on_message(self, text: str) -> None:
+        self._write(text)
+        self.inner.on_message(text)
+
+    def on_end(self, summary: dict) -> None:
+        self._write("done: " + json.dumps(summary, default=str))
+        self.inner.on_end(summary)
+
+    def close(self) -> None:
+        self._log.close()
 
 
 def format_step(m: dict) -> str:

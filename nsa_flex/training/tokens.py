@@ -1,8 +1,9 @@
 """Text into memory-mapped token files, and the one place a `data` setting becomes a source.
 
-A data setting is one of: a synthetic task name ("kv", "copy"); a token file (`*.bin` with
-its `*.bin.json` sidecar); a local file or folder of .txt / .md / .jsonl / .parquet text;
-or `hf:<folder>`, a Hugging Face dataset saved with `save_to_disk`. Text is tokenised once
+A data setting is one of: a synthetic task name ("kv", "copy"); "stdlib", the .py sources of
+the running Python's standard library (offline text that every install has); a token file
+(`*.bin` with its `*.bin.json` sidecar); a local file or folder of .txt / .md / .jsonl /
+.parquet text; or `hf:<folder>`, a Hugging Face dataset saved with `save_to_disk`. Text is tokenised once
 (byte-level, or with a local `tokenizer.json` of the `tokenizers` library) into a token
 file under the run's cache folder, keyed by the sources' names, sizes and times and the
 tokenizer; documents are separated by the tokenizer's end-of-text token.
@@ -16,12 +17,18 @@ import array
 import hashlib
 import json
 import os
+import sysconfig
 from pathlib import Path
 from typing import Iterator
 
 from nsa_flex.training.data import SYNTHETIC_TASKS, TOKEN_FILE_FORMAT, DataError, SyntheticTask, TokenFile
 
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
+STDLIB = "stdlib"
+"""The data setting for the standard library's sources."""
+# Not the standard library's own code: installed packages, and CPython's regression tests (half
+# of the rest, and unlike the library code they test).
+_STDLIB_SKIP = ("site-packages", "dist-packages", "test")
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
@@ -76,10 +83,12 @@ def open_source(data: str, *, seq_len: int, seed: int, tokenizer: str, cache_dir
 
 
 def text_files(data: str) -> list[Path]:
-    """The text files of a file or folder setting, sorted; a clear error if there are none."""
+    """The text files of a file or folder setting (or of "stdlib"), sorted; a clear error if there are none."""
+    if data == STDLIB:
+        return stdlib_files()
     path = Path(data)
     if not path.exists():
-        raise DataError(f"--data {data!r}: not a synthetic task ({', '.join(SYNTHETIC_TASKS)}), "
+        raise DataError(f"--data {data!r}: not a synthetic task ({', '.join(SYNTHETIC_TASKS)}), not {STDLIB!r}, "
                         "and no such file or folder")
     if path.is_file():
         if path.suffix not in TEXT_SUFFIXES:
@@ -90,6 +99,16 @@ def text_files(data: str) -> list[Path]:
     if not files:
         raise DataError(f"--data {data}: the folder holds no {', '.join(TEXT_SUFFIXES)} files")
     return files
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files (sysconfig's "stdlib" path), by relative path: the same
+    order on every run of one Python install."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if p.is_file() and p.relative_to(root).parts[0] not in _STDLIB_SKIP]
+    if not files:
+        raise DataError(f"--data {STDLIB}: no .py files under {root} (sysconfig's stdlib path)")
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def cached_token_file(data: str, tokenizer: str, cache_dir: Path, text_key: str) -> Path:
@@ -135,7 +154,7 @@ def iter_documents(data: str, text_key: str = "text") -> Iterator[str]:
         yield from _hf_documents(Path(data[3:]), text_key)
         return
     for path in text_files(data):
-        if path.suffix in (".txt", ".md"):
+        if path.suffix in (".txt", ".md", ".py"):
             yield path.read_text(encoding="utf-8", errors="replace")
         elif path.suffix == ".jsonl":
             yield from _jsonl_documents(path, text_key)

@@ -27,7 +27,7 @@ from nsa_flex.model import NSALM, lm_loss
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training import parallel as par
 from nsa_flex.training.config import ConfigError, RunPlan, TrainConfig, plan
-from nsa_flex.training.metrics import LoggingCallback, MetricsWriter, TrainCallback, memory_gib, versions
+from nsa_flex.training.metrics import LoggingCallback, MetricsWriter, RunLog, TrainCallback, memory_gib, versions
 from nsa_flex.training.optim import build_optimizer, build_scheduler
 from nsa_flex.training.tokens import open_source
 from nsa_flex.training.watchdog import Watchdog
@@ -52,6 +52,8 @@ class TrainHooks:
     """Called with the step number before each step (e.g. sleep to test the watchdog)."""
     loss_transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     """Maps (step, loss) to the loss that is backpropagated (e.g. NaN to test the guard)."""
+    clock: Callable[[], float] | None = None
+    """The watchdog's clock in seconds (None: time.monotonic); a test's clock makes a stall exact."""
 
 
 @dataclass
@@ -60,6 +62,8 @@ class TrainResult:
 
     start_step: int
     last_step: int
+    total_steps: int = 0
+    """The run's configured steps (a call that starts there trains nothing)."""
     losses: list[float] = field(default_factory=list)
     """Loss of each step this call ran (skipped steps included, as computed)."""
     step_times_s: list[float] = field(default_factory=list)
@@ -75,7 +79,8 @@ class TrainResult:
         self.last_step, self.nonfinite_steps = metrics["step"], metrics["nonfinite_total"]
 
     def summary(self) -> dict:
-        return {"last_step": self.last_step, "final_loss": self.losses[-1] if self.losses else None,
+        return {"start_step": self.start_step, "last_step": self.last_step, "total_steps": self.total_steps,
+                "final_loss": self.losses[-1] if self.losses else None,
                 "tokens_per_s": self.tokens_per_s, "nonfinite_steps": self.nonfinite_steps,
                 "peak_memory_gib": self.peak_memory_gib, "checkpoint": self.checkpoint}
 
@@ -96,12 +101,15 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
     # 1. torchrun init; every "auto" setting is resolved here, once.
     world = par.torchrun_world()
     run = plan(config, world.world_size, world.local_rank)
+    out_dir = prepare_out_dir(config.out_dir)
     started_group = par.init_process_group(world, run.device)
-    report = (callback or LoggingCallback(config.log_every)) if world.rank == 0 else _Quiet()
+    report = RunLog(out_dir, callback or LoggingCallback(config.log_every), config.log_every) \
+        if world.rank == 0 else _Quiet()
     hooks, writer = hooks or TrainHooks(), None
     # The watchdog covers everything after init: a collective that never returns, in set-up
     # or in a step, ends the run with stack traces. The first step also compiles.
-    dog = Watchdog(config.stall_timeout, first_timeout=config.first_step_timeout, rank=world.rank)
+    dog = Watchdog(config.stall_timeout, first_timeout=config.first_step_timeout, rank=world.rank,
+                   clock=hooks.clock or time.monotonic)
     try:
         dog.start()
         # 2. The config and the versions, before anything heavy.
@@ -127,7 +135,8 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
                                                            min_ratio=config.min_lr_ratio),
                        torch.amp.GradScaler(run.device.type) if run.precision == "fp16" else None, batches)
         _resume(config, state, report)
-        result = TrainResult(start_step=state.step, last_step=state.step, out_dir=config.out_dir,
+        result = TrainResult(start_step=state.step, last_step=state.step, total_steps=config.steps,
+                             out_dir=config.out_dir,
                              tokens_per_step=config.batch_size * config.T * config.grad_accum * world.world_size)
         if world.rank == 0:
             writer = MetricsWriter(Path(config.out_dir), tensorboard=config.tensorboard, notify=report.on_message)
@@ -156,6 +165,8 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
         dog.stop()
         if writer is not None:
             writer.close()
+        if isinstance(report, RunLog):
+            report.close()
         if started_group:
             torch.distributed.destroy_process_group()
 
@@ -238,6 +249,20 @@ def _check_nonfinite(state: _State, limit: int) -> None:
             f"aborting at step {state.step}. Lower --lr, use bf16 rather than fp16, or check the data")
 
 
+def prepare_out_dir(out_dir: str) -> Path:
+    """The run folder, created; a ConfigError (not an OSError) when it cannot be."""
+    path = Path(out_dir)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"out_dir={out_dir!r}: {blocker} is a file, not a folder; choose another --out-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out_dir={out_dir!r}: cannot create the folder ({e.strerror}); "
+                          "choose another --out-dir") from e
+    return path
+
+
 def _open_batches(config: TrainConfig, world: par.World, vocab_size: int) -> ShardedBatches:
     """The data source (text is tokenised by rank 0 while the others wait), checked against the model."""
     kwargs = dict(seq_len=config.T, seed=config.seed, tokenizer=config.tokenizer,
@@ -261,6 +286,9 @@ def _resume(config: TrainConfig, state: _State, report) -> None:
         return
     saved = ckpt.load(path)
     ckpt.check_compatible(saved, config.to_dict()["model"], path)
+    changes = ckpt.check_same_data(saved, config.to_dict(), path, config.allow_data_change)
+    if changes:
+        report.on_message(f"data settings changed on purpose (--allow-data-change): {'; '.join(changes)}")
     ckpt.load_model_and_optimizer(state.model, state.optimizer, saved)
     state.scheduler.load_state_dict(saved["scheduler"])
     if state.scaler is not None and saved.get("scaler"):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_flex.blocks import num_sel_blocks
+from nsa_flex.blocks import distinct_block_indices, num_sel_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.flex.masks.documents import Documents
 from nsa_flex.flex.blockmask import interval_block_mask, make_block_mask, transpose_blocks, union_blocks
@@ -39,7 +39,15 @@ WORD = 32
 
 
 def selection_bits(block_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """[B, Hkv, T, n] block ids (-1 = unused, distinct per row) -> [B, Hkv, T, ceil(Ns/32)] int32 bit sets."""
+    """[B, Hkv, T, n] block ids (-1 = unused) -> [B, Hkv, T, ceil(Ns/32)] int32 bit sets.
+
+    A repeated id sets its bit once (a sum of its bits would carry into the next block's).
+    """
+    return _bits_of_distinct(distinct_block_indices(block_indices, n_blocks), n_blocks)
+
+
+def _bits_of_distinct(block_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """selection_bits of ids already distinct per row (distinct_block_indices)."""
     words = -(-n_blocks // WORD)
     idx = block_indices.to(torch.int64)
     ok = idx >= 0
@@ -166,10 +174,13 @@ def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConf
                     docs: Documents | None, copies: InitialCopies | None, full_blocks: bool = True):
     """The tensors of selection_block_mask: (partial kv, full kv, partial q, full q) lists as (num, idx), and
     the selection bits of its mask_mod. full_blocks=False: the full lists are (None, None)."""
-    B, Hkv, _, n = block_indices.shape
     L = config.sel_block
     device = block_indices.device
     n_blocks = num_sel_blocks(T, config)
+    # Each id once, and no wider than the blocks that exist: repeats would corrupt the bits and
+    # the full-block test of union_blocks, and an n above Ns would only widen every list.
+    block_indices = distinct_block_indices(block_indices, n_blocks)
+    B, Hkv, _, n = block_indices.shape
     rows = T * G
     n_tiles = -(-rows // q_block)
     R = min(tokens_per_tile(G, q_block), T)
@@ -210,7 +221,7 @@ def selection_lists(block_indices: torch.Tensor, T: int, G: int, config: NSAConf
         full_q = transpose_blocks(*full_kv, n_blocks, n_tiles)
     else:
         full_kv = full_q = (None, None)
-    bits = selection_bits(block_indices, num_sel_blocks(T, config))
+    bits = _bits_of_distinct(block_indices, num_sel_blocks(T, config))
     return partial_kv, full_kv, partial_q, full_q, bits
 
 

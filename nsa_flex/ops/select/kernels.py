@@ -93,13 +93,15 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
             f"the Triton selection kernel needs cmp_block <= sel_block + cmp_stride, got cmp_block="
             f"{config.cmp_block}, sel_block={config.sel_block}, cmp_stride={config.cmp_stride}"
         )
-    tiles = {**launch_config(G, Dk, config.n_selected), **tiles}
+    # Tiles and queues sized by the blocks that exist: an n above Ns only adds unused (-1) slots.
+    n = min(config.n_selected, max(1, triton.cdiv(T, config.sel_block)))
+    tiles = {**launch_config(G, Dk, n), **tiles}
     BT, BS = tiles["BT"], tiles["BS"]
-    if BS < config.n_selected:
-        raise ValueError(f"tile of {BS} selection blocks cannot hold the top n={config.n_selected}")
-    out = torch.empty((B, Hkv, T, config.n_selected), dtype=torch.int32, device=q.device)
+    if BS < n:
+        raise ValueError(f"tile of {BS} selection blocks cannot hold the top n={n}")
+    out = torch.empty((B, Hkv, T, n), dtype=torch.int32, device=q.device)
     if T == 0:
-        return out
+        return _pad_slots(out, config.n_selected)
     n_blocks = triton.cdiv(T, BT)
     if cu_seqlens is None:
         prog_doc = prog_tok = cu = cu_cmp = None
@@ -113,13 +115,18 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
         *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
         G=G, GP=_next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, _next_pow2(Dk)),
         R=R, RP=_next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
-        SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=config.n_selected,
+        SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
         N_INIT=config.n_initial, N_LOCAL=config.n_local,
         VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         **({"maxnreg": tiles["maxnreg"]} if "maxnreg" in tiles else {}),
     )
-    return out
+    return _pad_slots(out, config.n_selected)
+
+
+def _pad_slots(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., k] -> [..., n] with -1 in the added slots (idx itself when k == n)."""
+    return idx if idx.shape[-1] == n else torch.nn.functional.pad(idx, (0, n - idx.shape[-1]), value=-1)
 
 
 def _program_table(cu: torch.Tensor, BT: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
