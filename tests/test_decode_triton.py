@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import math
 
-import numpy
 import pytest
 import torch
 
@@ -25,6 +24,7 @@ from nsa_flex.blocks import forced_and_valid, num_cmp_blocks, num_sel_blocks, so
 from nsa_flex.decoding.cache import NSACache
 from nsa_flex.config import NSAConfig
 from nsa_flex.decoding.step import Projected, decode_attention
+from interpreter import interpreter_mark, interpreting
 from nsa_flex.ops import decode_attend, decode_attend_torch
 from nsa_flex.ops.decode import kernels as decode_triton
 from nsa_flex.ops.decode.attend import cmp_attention, fold_to_sel_blocks, sel_win_attention
@@ -33,30 +33,10 @@ gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def _interpreting() -> bool:
-    if not decode_triton.HAS_TRITON:
-        return False
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(decode_triton._cmp_win_kernel, InterpretedFunction)
+    return interpreting(getattr(decode_triton, "_cmp_win_kernel", None))
 
 
-def _interpreter_skip() -> str | None:
-    if not _interpreting():
-        return "needs Triton's interpreter (Triton installed, TRITON_INTERPRET=1 before Python starts)"
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        # Triton 3.6's interpreter turns 1-element arrays into loop bounds with int():
-        # numpy >= 2.4 raises there (triton-lang/triton#9171).
-        return "Triton 3.6's interpreter needs numpy < 2.4 (triton-lang/triton#9171)"
-    return None
-
-
-_skip_interpreter = pytest.mark.skipif(_interpreter_skip() is not None, reason=str(_interpreter_skip()))
-# numpy < 2.4 warns where 2.4 raises (see above), thousands of times per test.
-_quiet_numpy = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-
-
-def interpreter(test):
-    return _skip_interpreter(_quiet_numpy(test))
+interpreter = interpreter_mark(getattr(decode_triton, "_cmp_win_kernel", None))
 
 # (config, cache length T). Positions below are taken modulo T.
 CONFIGS = {

@@ -79,6 +79,28 @@ def test_forward_matches_reference(T, G, Hkv, Dk, Dv, B, dtype):
     assert err <= oracle_tolerance(x, cfg, sel, o_oracle), err
 
 
+@pytest.mark.parametrize("sel_impl", ["block", "flex"])
+@pytest.mark.parametrize("T,G,Hkv,Dk,Dv,B,dtype", [SHAPES[i] for i in (0, 3, 5, 6)])
+def test_both_selected_branches_match_reference(T, G, Hkv, Dk, Dv, B, dtype, sel_impl):
+    """Either implementation of the selected branch, forced at any group size, matches the oracle."""
+    cfg = small_config(G, Dk, Dv, Hkv)
+    x64 = random_inputs(cfg, T, B=B, seed=T + G + 1)
+    o_oracle, sel = nsa_reference(**x64, config=cfg)
+    x = {name: t.to(dtype) for name, t in x64.items()}
+    with torch.no_grad():
+        o, _ = nsa_flex(**x, config=cfg, block_indices=sel, tiles=FlexTiles(sel_impl=sel_impl))
+    err = (o.double() - o_oracle).abs().max().item()
+    assert err <= oracle_tolerance(x, cfg, sel, o_oracle), err
+
+
+@pytest.mark.parametrize("G,expected", [(1, "block"), (4, "block"), (8, "block"), (16, "flex")])
+def test_selected_impl_by_group(G, expected):
+    assert FlexTiles().selected_impl(4096, G) == expected
+    assert FlexTiles(sel_impl="flex").selected_impl(4096, G) == "flex"
+    with pytest.raises(ValueError, match="sel_impl"):
+        FlexTiles(sel_impl="token")
+
+
 @pytest.mark.parametrize("T,G", [(1, 2), (300, 4), (300, 16)], ids=["T1-G2", "T300-G4", "T300-G16"])
 def test_forward_with_selection_op(T, G):
     """No block_indices: the selection op picks the same blocks as the reference (fp64, no ties)."""

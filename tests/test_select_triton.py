@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import numpy
 import pytest
 import torch
 
@@ -22,25 +21,16 @@ from test_ops_select import make_config, make_inputs, reference_selection, selec
 
 from nsa_flex.blocks import num_cmp_blocks
 from nsa_flex.compression import compressed_seqlens
+from interpreter import QUIET_NUMPY, interpreter_skip
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import select_blocks_torch
 from nsa_flex.ops.select import kernels as select_triton
 
 
-def _interpreting() -> bool:
-    if not select_triton.HAS_TRITON:
-        return False
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(select_triton._select_kernel, InterpretedFunction)
-
-
 def _device() -> str | None:
     if select_triton.HAS_TRITON and torch.cuda.is_available():
         return "cuda"
-    if _interpreting() and tuple(int(x) for x in numpy.__version__.split(".")[:2]) < (2, 4):
-        # Triton 3.6's interpreter turns 1-element arrays into loop bounds with int():
-        # numpy >= 2.4 raises there (triton-lang/triton#9171).
+    if interpreter_skip(getattr(select_triton, "_select_kernel", None)) is None:
         return "cpu"
     return None
 
@@ -49,8 +39,7 @@ DEVICE = _device()
 pytestmark = [
     pytest.mark.skipif(DEVICE is None, reason="needs CUDA and Triton, or Triton's interpreter "
                        "(TRITON_INTERPRET=1 before Python starts) with numpy < 2.4"),
-    # numpy < 2.4 warns where 2.4 raises (see above), thousands of times per test.
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    QUIET_NUMPY,
 ]
 FP32 = torch.float32
 # Triton 3.6's interpreter gets bf16 tl.dot wrong (errors ~1e10 on random inputs; fp16 and fp32

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 
-import numpy
 import pytest
 import torch
 
 from nsa_flex import reference
+from interpreter import interpreter_mark
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops.selected_attention import kernels, launch, selected_attention
 from nsa_flex.ops.selected_attention.index import build_index, num_virtual_blocks, work_list
@@ -24,24 +24,7 @@ from nsa_flex.ops.selected_attention.index import build_index, num_virtual_block
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
-def _interpreter_skip() -> str | None:
-    if not kernels.HAS_TRITON:
-        return "needs Triton"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(kernels._fwd_kernel, InterpretedFunction):
-        return "needs Triton's interpreter (TRITON_INTERPRET=1 before Python starts)"
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        return "Triton 3.6's interpreter needs numpy < 2.4 (triton-lang/triton#9171)"
-    return None
-
-
-_skip_interpreter = pytest.mark.skipif(_interpreter_skip() is not None, reason=str(_interpreter_skip()))
-_quiet_numpy = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-
-
-def interpreter(test):
-    return _skip_interpreter(_quiet_numpy(test))
+interpreter = interpreter_mark(getattr(kernels, "_fwd_kernel", None))
 
 
 # ----- inputs and the oracle -----

@@ -97,3 +97,14 @@ if HAS_TRITON:
             tl.store(trace_ptr + slot + 2, t_mid)
             tl.store(trace_ptr + slot + 3, t_end)
             tl.store(trace_ptr + slot + 4, sm.to(tl.int64))
+
+    @triton.jit
+    def dot(a, b, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
+        """tl.dot with the precision the caller needs: F32_DOT upcasts both operands to fp32 (the
+        interpreter's bf16 dot is wrong), IEEE keeps fp32 operands exact (no tf32)."""
+        if F32_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)

@@ -259,16 +259,7 @@ def _tma_ok(x: torch.Tensor) -> bool:
 
 
 if HAS_TRITON:
-    from nsa_flex.ops.triton_utils import global_time, pdl_wait, store_trace
-
-    @triton.jit
-    def _dot(a, b, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
-        if F32_DOT:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
+    from nsa_flex.ops.triton_utils import dot, global_time, pdl_wait, store_trace
 
     @triton.jit
     def _load_q(q_ptr, b, h, sq_b, sq_h, sq_g, G: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr,
@@ -309,13 +300,13 @@ if HAS_TRITON:
     def _flash_update(q_rd, k_dn, v_nd, ok, m, l, acc, scale, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
         """_flash_step on loaded tiles, k_dn [D, BN] and v_nd [BN, D]. Where not ok, p is 0 and
         k_dn's columns may hold anything, v_nd's rows anything finite."""
-        s = (_dot(q_rd, k_dn, F32_DOT, IEEE) * scale).to(tl.float32)
+        s = (dot(q_rd, k_dn, F32_DOT, IEEE) * scale).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
         # Every tile holds a visible key, so m_new is finite and no row turns NaN.
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        acc = acc * alpha[:, None] + _dot(p.to(v_nd.dtype), v_nd, F32_DOT, IEEE)
+        acc = acc * alpha[:, None] + dot(p.to(v_nd.dtype), v_nd, F32_DOT, IEEE)
         return m_new, l * alpha + tl.sum(p, axis=1), acc, p
 
     @triton.jit

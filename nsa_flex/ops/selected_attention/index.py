@@ -133,7 +133,7 @@ def _document_of(cu: Tensor, x: Tensor) -> Tensor:
     """The document holding each position x (one document: zeros, no search).
 
     Searches the whole bounds tensor, never a slice of it: Inductor (torch 2.11) cannot lower
-    searchsorted over a sliced sequence (NotImplementedError: SliceView).
+    searchsorted over a sliced sequence (it raises on SliceView).
     """
     if cu.shape[0] == 2:
         return torch.zeros_like(x)

@@ -25,18 +25,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from nsa_flex.ops.triton_utils import dot
 
-    @triton.jit
-    def _dot(a, b, F32_DOT: tl.constexpr, IEEE: tl.constexpr):
-        if F32_DOT:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            # fp32 inputs: fp32 FMA dots (slow, they spill: fp32 is the correctness path).
-            # "tf32x3" would use tensor cores but doubles the operands in shared memory:
-            # 368 KB for the backward at Dk=192 even with 16 rows (ptxas, sm_90).
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
 
     @triton.jit
     def _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv):
@@ -98,14 +88,14 @@ if HAS_TRITON:
                 t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
                 q_md = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
                                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-                s = _dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
                 vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= t[:, None])
                 s = tl.where(vis, s, float("-inf"))
                 m = tl.max(s, axis=1)
                 m = tl.where(m == float("-inf"), 0.0, m)
                 p = tl.math.exp2(s - m[:, None])
                 l = tl.sum(p, axis=1)
-                acc = _dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
+                acc = dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
                 o = acc / tl.where(l > 0, l, 1.0)[:, None]
                 lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
                 row = b * so_b + t * so_t + hq * so_h + slot * so_n
@@ -153,15 +143,15 @@ if HAS_TRITON:
                 stat = b * sl_b + hq * sl_h + t * sl_t
                 lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-                s = _dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
                 vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= t[:, None])
                 # A row with no visible key anywhere has lse -inf and no visible key here either.
                 p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
-                dv_acc += _dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
-                dp = _dot(do_md, v_dl, F32_DOT, IEEE)
+                dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
+                dp = dot(do_md, v_dl, F32_DOT, IEEE)
                 ds = (p * (dp - delta[:, None])).to(q_md.dtype)
-                dk_acc += _dot(tl.trans(ds), q_md, F32_DOT, IEEE)
-                dq = _dot(ds, k_ld, F32_DOT, IEEE) * sc
+                dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
+                dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
                 row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
                 tl.store(dqp_ptr + row[:, None] + dk[None, :], dq, mask=row_ok[:, None] & (dk[None, :] < DK))
             r = tl.arange(0, BL)
