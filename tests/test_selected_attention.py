@@ -375,49 +375,35 @@ def test_kernels_gpu_packed_documents():
     check(run_op(q, k, v, do, bi.cuda(), cfg, "auto", cu.cuda()), q, k, v, do, bi, cfg, cu)
 
 
-@gpu
-def test_compile_fullgraph_cuda():
-    """fwd + bwd under torch.compile(fullgraph=True) equal eager; one frame, no recompile on new data."""
+def check_compiled(backend: str, device: str, cfg: NSAConfig, T: int, dtype, impl: str, **tol) -> None:
+    """fwd + bwd under torch.compile(fullgraph=True) equal eager `impl` on two inputs: one frame, no recompile."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    cfg = make_config(4, 128, 128, 16, 64)
-    counter = CompileCounterWithBackend("inductor")
+    counter = CompileCounterWithBackend(backend)
 
     @torch.compile(backend=counter, fullgraph=True, dynamic=False)
     def step(q, k, v, bi):
         return selected_attention(q * 1.0, k, v, bi, cfg) + 0
 
     for seed in (0, 1):
-        q, k, v, do = make_inputs(1, 1000, cfg, torch.bfloat16, seed=seed, device="cuda")
-        bi = random_selection(1, 2, 1000, 16, 64, seed=seed).cuda()
+        q, k, v, do = make_inputs(1, T, cfg, dtype, seed=seed, device=device)
+        bi = random_selection(1, 2, T, cfg.n_selected, cfg.sel_block, seed=seed).to(device)
         x = [t.clone().requires_grad_() for t in (q, k, v)]
         o = step(*x, bi)
         got = (o, *torch.autograd.grad(o, x, do))
-        want = run_op(q, k, v, do, bi, cfg, "auto")
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        for a, b in zip(got, run_op(q, k, v, do, bi, cfg, impl)):
+            torch.testing.assert_close(a, b, **tol)
     assert counter.frame_count == 1
+
+
+@gpu
+def test_compile_fullgraph_cuda():
+    """The Triton path compiles whole with Inductor and equals the eager op."""
+    check_compiled("inductor", "cuda", make_config(4, 128, 128, 16, 64), 1000, torch.bfloat16, "auto",
+                   atol=2e-2, rtol=2e-2)
 
 
 def test_compile_fullgraph_cpu():
     """The op and its autograd trace whole (the twin on CPU): compiled equals eager, one frame."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    cfg = make_config(2, 32, 24, 4, 16)
-    counter = CompileCounterWithBackend("aot_eager")
-
-    @torch.compile(backend=counter, fullgraph=True, dynamic=False)
-    def step(q, k, v, bi):
-        return selected_attention(q * 1.0, k, v, bi, cfg) + 0
-
-    for seed in (0, 1):
-        q, k, v, do = make_inputs(1, 70, cfg, torch.float32, seed=seed)
-        bi = random_selection(1, 2, 70, 4, 16, seed=seed)
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
-        o = step(*x, bi)
-        got = (o, *torch.autograd.grad(o, x, do))
-        for a, b in zip(got, run_op(q, k, v, do, bi, cfg, "torch")):
-            torch.testing.assert_close(a, b)
-    assert counter.frame_count == 1
+    check_compiled("aot_eager", "cpu", make_config(2, 32, 24, 4, 16), 70, torch.float32, "torch")
