@@ -50,6 +50,16 @@ if HAS_TRITON:
         return tl.load(ptrs, mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
 
     @triton.jit
+    def _block_kv(k_ptr, v_ptr, b, h, ks, ke, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL: tl.constexpr,
+                  DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
+        """(key [BL], key ok, K [BL, DKP], V [BL, DVP]) of the key block [ks, ke) of kv head h."""
+        key = ks + tl.arange(0, BL)
+        key_ok = key < ke
+        k_ld = _block_tile(k_ptr, b, h, key, key_ok, sk_b, sk_t, sk_h, DK, DKP)
+        v_ld = _block_tile(v_ptr, b, h, key, key_ok, sv_b, sv_t, sv_h, DV, DVP)
+        return key, key_ok, k_ld, v_ld
+
+    @triton.jit
     def _chunk_rows(entries_ptr, c0, end, h, N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     BT: tl.constexpr):
         """Rows (token, head) of the chunk at entry c0: token t, slot, query head, row ok. Row r is
@@ -75,10 +85,8 @@ if HAS_TRITON:
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
                                                  blk_end_ptr, Hkv, Nv)
         if valid:
-            key = ks + tl.arange(0, BL)
-            key_ok = key < ke
-            k_ld = _block_tile(k_ptr, b, h, key, key_ok, sk_b, sk_t, sk_h, DK, DKP)
-            v_ld = _block_tile(v_ptr, b, h, key, key_ok, sv_b, sv_t, sv_h, DV, DVP)
+            key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, ks, ke, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                                                BL, DK, DKP, DV, DVP)
             k_dl = tl.trans(k_ld)
             dk = tl.arange(0, DKP)
             dv = tl.arange(0, DVP)
@@ -121,10 +129,8 @@ if HAS_TRITON:
                                                  blk_end_ptr, Hkv, Nv)
         w = tl.program_id(0).to(tl.int64)
         if valid:
-            key = ks + tl.arange(0, BL)
-            key_ok = key < ke
-            k_ld = _block_tile(k_ptr, b, h, key, key_ok, sk_b, sk_t, sk_h, DK, DKP)
-            v_ld = _block_tile(v_ptr, b, h, key, key_ok, sv_b, sv_t, sv_h, DV, DVP)
+            key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, ks, ke, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                                                BL, DK, DKP, DV, DVP)
             k_dl = tl.trans(k_ld)
             v_dl = tl.trans(v_ld)
             dk = tl.arange(0, DKP)
