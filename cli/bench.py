@@ -241,3 +241,33 @@ def model(
     _echo_paths(paths)
     typer.echo("")
     typer.echo(md)
+
+
+@app.command()
+def selected(
+    seq_lens: str = typer.Option("8k,32k,64k", "--seq-lens", "-T", help="Sequence lengths, comma-separated, k = 1024."),
+    shapes: str = typer.Option("seeds-125m,g4", help=(
+        "Attention shapes, comma-separated: seeds-125m (Hq=12, Hkv=3, D=64), g1, g2, g4, g8, g16 (Hkv=4, D=128).")),
+    out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON."),
+    name: Optional[str] = typer.Option(None, help="File stem (default <date>_cuda_selected)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=(
+        "Replace an earlier result of the same --name (refused otherwise; without --name a new stem is picked)")),
+    git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+) -> None:
+    """The selected branch alone (CUDA): the block-centric op against the token-centric Flex call and dense cuDNN."""
+    import torch
+
+    from nsa_flex.bench import default_stem
+    from nsa_flex.bench.selected import SHAPES, run
+
+    names = parse_names(shapes)
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown shapes {unknown}; allowed: {', '.join(SHAPES)}", param_hint="--shapes")
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("needs a CUDA device: it times Triton kernels against cuDNN "
+                                 "(the op's CPU checks are in the test suite)", param_hint="device")
+    stem = free_stem(out_dir, name, default_stem("selected", "cuda"), overwrite)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run(list(parse_ints(seq_lens, "--seq-lens")), names, out_dir / f"{stem}.json", git_commit)
+    typer.echo(f"wrote json: {out_dir / f'{stem}.json'}")
