@@ -55,6 +55,21 @@ def test_estimate_scaling():
         estimate(big, batch_size=1, seq_len=2048, precision="fp8")
 
 
+def test_block_centric_selected_branch_counts_its_buffers():
+    """At G <= 8 the selected branch is block-centric: no BlockMask lists, a workspace of n fp32
+    partials per (token, query head), linear in T; the Flex path and dense attention have none."""
+    big = MODEL_PRESETS["seeds-125m"]  # G = 4
+    T, n, Hq = 8192, big.nsa.n_selected, big.nsa.n_heads
+    block = estimate(big, batch_size=1, seq_len=T)
+    flex = estimate(big, batch_size=1, seq_len=T, sel_impl="flex")
+    assert flex.workspace == 0 and estimate(big.replace(attention="dense"), batch_size=1, seq_len=T).workspace == 0
+    assert block.masks == big.n_layers * 4 * big.nsa.n_kv_heads * T * n < flex.masks
+    # The backward's dQ partials (fp32, n per token and query head) bound it from below.
+    assert block.workspace >= 4 * T * Hq * n * big.nsa.head_dim
+    assert estimate(big, batch_size=1, seq_len=2 * T).workspace == pytest.approx(2 * block.workspace, rel=0.02)
+    assert block.total == sum(b for name, b in block.rows() if name != "total")
+
+
 def test_memory_command():
     from nsa_flex_cli.main import app
 

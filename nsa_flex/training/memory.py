@@ -10,9 +10,14 @@ Parts and how exact they are:
 - activations: tensors saved for the backward, per token per layer, from the formulas in
   `_layer_bytes` (eager vs compiled blocks; activation checkpointing keeps only each block's
   input plus one block's activations); an estimate, checked on the GPU by bench/train_gpu.py.
-- masks: the NSA flex path's selection indices and selected-branch BlockMask tensors (int32,
-  full-width kv indices and their transpose, per layer); for the reference path the dense
-  [T, T] scores, probabilities and masks of its three branches (O(T^2): the oracle's cost).
+- masks: the NSA flex path's selection indices and, where the selected branch is a Flex call
+  (groups over 8), its BlockMask tensors (int32, full-width kv indices and their transpose, per
+  layer); for the reference path the dense [T, T] scores, probabilities and masks of its three
+  branches (O(T^2): the oracle's cost).
+- workspace: where the selected branch is block-centric (groups up to 8), the buffers one layer's
+  forward or backward holds while it runs: fp32 partial outputs (forward) or dQ partials and
+  dK/dV partials (backward), n per (token, query head), and the inverse index. Counted from the
+  op's buffer sizes; not yet checked against a GPU peak.
 - logits: the output layer and the loss (fp32 log-softmax and its gradient when eager; a
   fused compiled loss keeps the low-precision logits and their gradient).
 The total adds every part, as if all gradients were alive at the activation peak; that
@@ -52,15 +57,16 @@ class MemoryEstimate:
     masks: int
     logits: int
     parallel_overhead: int
+    workspace: int = 0
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.weight_casts + self.activations + self.masks
-                + self.logits + self.parallel_overhead)
+                + self.logits + self.parallel_overhead + self.workspace)
 
     def rows(self) -> list[tuple[str, int]]:
         names = ("params", "grads", "optimizer", "weight_casts", "activations", "masks", "logits",
-                 "parallel_overhead")
+                 "parallel_overhead", "workspace")
         return [(n, getattr(self, n)) for n in names] + [("total", self.total)]
 
 
@@ -91,12 +97,14 @@ def count_params(config: NSAModelConfig) -> ParamCounts:
 
 def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision: str = "bf16",
              compiled: bool = True, activation_checkpointing: bool = False, parallel: str = "none",
-             world_size: int = 1, impl: str = "flex", sel_q_block: int | None = None) -> MemoryEstimate:
+             world_size: int = 1, impl: str = "flex", sel_q_block: int | None = None,
+             sel_impl: str | None = None) -> MemoryEstimate:
     """Peak memory of one rank training `config` on micro-batches of [batch_size, seq_len].
 
     precision: fp32 | bf16 | fp16. impl: the NSA path ("flex" or "reference"; ignored for dense).
     sel_q_block: query rows per block of the selected branch's folded BlockMask (None: the
-    length-based default of nsa_flex.flex.tuning.FlexTiles.sel_rows).
+    length-based default of nsa_flex.flex.tuning.FlexTiles.sel_rows). sel_impl: the selected
+    branch's implementation (None: FlexTiles.selected_impl's choice by group size).
     """
     for name, value, allowed in (("precision", precision, PRECISIONS), ("impl", impl, MEMORY_IMPLS),
                                  ("parallel", parallel, PARALLELS)):
@@ -106,7 +114,7 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     shard = world_size if parallel == "fsdp" else 1
     a = 4 if precision == "fp32" else 2
     tokens = batch_size * seq_len
-    tiles = FlexTiles(sel_q_block=sel_q_block)
+    tiles = FlexTiles(sel_q_block=sel_q_block, sel_impl=sel_impl)
     layer = _layer_bytes(config, a, compiled, impl, seq_len, tiles)
     if activation_checkpointing:
         activations = int(config.n_layers * 4 * config.dim * tokens + layer * tokens)
@@ -134,6 +142,7 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
         masks=masks,
         logits=logits,
         parallel_overhead=overhead,
+        workspace=_workspace_bytes(config, batch_size, seq_len, impl, precision, tiles),
     )
 
 
@@ -160,8 +169,9 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     if cfg.attention == "dense":
         return norms + mlp + a * (Aq + Ak + Av) + 2 * a * Ao + 4 * Hq
     flex = impl == "flex"
+    block = flex and _block_centric(cfg, T, tiles)
     kv_len = T
-    if flex and tiles.split_at(T, n):
+    if flex and not block and tiles.split_at(T, n):
         copies = initial_copies(T, n.group_size, n, tiles.sel_rows(T, n), tiles.initial_copy_tokens)
         kv_len = T if copies is None else copies.kv_len
     chunks = query_chunks(T * n.group_size, tiles.cmp_block[0], tiles.max_chunks, tiles.min_chunk_rows)
@@ -169,7 +179,9 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     compress = a * Hkv * (n.head_dim + n.dv) * (1 + (2 + chunks) / n.cmp_stride)
     outs = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
     recomputed = 0 if flex else a * Ao + 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
-    return norms + mlp + a * Aq + kv + compress + outs + recomputed
+    # The block-centric op keeps its own unfolded output and lse for its backward.
+    op_saved = a * Ao + 4 * Hq if block else 0
+    return norms + mlp + a * Aq + kv + compress + outs + recomputed + op_saved
 
 
 def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles) -> int:
@@ -184,6 +196,9 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles
         # the selection mask; fp32 copies of k/v repeated per query head.
         per_seq = (2 * 13 * n.n_heads * T * T + 13 * n.n_heads * T * Tc + n.n_kv_heads * T * T
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
+    elif _block_centric(cfg, T, tiles):
+        # The selection (int32 [Hkv, T, n]), saved for the op's backward; no BlockMask lists.
+        per_seq = 4 * n.n_kv_heads * T * n.n_selected
     else:
         # The mask_mod's selection bits; per query tile a kv-side list (the union of its tokens'
         # blocks), per kv block a q-side list as wide as the query tiles (Flex's backward needs
@@ -199,6 +214,32 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles
         lists = 4 * n.n_kv_heads * q_blocks * (kv_blocks + width)
         per_seq = bits + lists * (2 if tiles.sel_full_blocks else 1)
     return int(cfg.n_layers * B * per_seq)
+
+
+def _block_centric(cfg: NSAModelConfig, T: int, tiles: FlexTiles) -> bool:
+    return cfg.attention != "dense" and tiles.selected_impl(T, cfg.nsa.group_size) == "block"
+
+
+def _workspace_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, precision: str, tiles: FlexTiles) -> int:
+    """The block-centric selected branch's buffers while one layer's forward or backward runs."""
+    if impl != "flex" or not _block_centric(cfg, T, tiles):
+        return 0
+    from nsa_flex.ops.selected_attention.launch import launch_config
+
+    n = cfg.nsa
+    Hq, Hkv, Dk, Dv, N = n.n_heads, n.n_kv_heads, n.head_dim, n.dv, n.n_selected
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    tile = launch_config(n.group_size, Dk, Dv, dtype)
+    # Index: entries and block ids (int32), the sort's int64 keys and order.
+    index = 24 * Hkv * T * N
+    forward = 4 * T * Hq * N * (Dv + 1)
+    span = tile["BT"] * tile["bwd_chunks"]
+    items = Hkv * (math.ceil(T * N / span) + math.ceil(T / n.sel_block) + 1)
+    pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731
+    dkv = 4 * items * max(16, pad(n.sel_block)) * (pad(Dk) + pad(Dv))
+    # dQ partials, dK/dV partials, and fp32 copies of dO and O for delta.
+    backward = 4 * T * Hq * N * Dk + dkv + 8 * T * Hq * Dv
+    return int(B * (index + max(forward, backward)))
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
