@@ -113,10 +113,12 @@ def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
 
-def test_compiled_whole_op_one_frame_no_recompile():
-    """torch.compile(nsa_flex, fullgraph=True): one graph, matches eager, no recompile over 3 steps."""
+@pytest.mark.parametrize("Hkv", [1, 4], ids=["G16-flex-selected", "G4-block-selected"])
+def test_compiled_whole_op_one_frame_no_recompile(Hkv):
+    """torch.compile(nsa_flex, fullgraph=True): one graph, matches eager, no recompile over 3 steps,
+    with either selected branch (the Flex call at G=16, the block-centric op at G=4)."""
     install_flex_tuning()
-    cfg = NSAConfig(n_heads=16, n_kv_heads=1, head_dim=128, n_selected=16, window=512)
+    cfg = NSAConfig(n_heads=16, n_kv_heads=Hkv, head_dim=128, n_selected=16, window=512)
     x = cuda_inputs(cfg, 1000, 1, BF16, seed=1)
     do = torch.randn(1, 1000, 16, 128, device="cuda", dtype=BF16)
     o_eager, g_eager, sel_eager = run(nsa_flex, x, do, config=cfg)
