@@ -418,3 +418,17 @@ def test_kernels_gpu_deterministic():
     first, second = (run_op(q, k, v, do, bi, cfg, "auto") for _ in range(2))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@interpreter
+def test_kernels_interpreted_repeated_ids_count_once():
+    """A block listed twice in one row is that block once, as in the reference's mask (and the twin)."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    T = 70
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=11)
+    bi = random_selection(1, cfg.n_kv_heads, T, 4, 16, seed=11)
+    # Slot 3 repeats slot 0 (block 0) wherever it is free: the same keys listed twice.
+    bi[..., 3] = torch.where(bi[..., 3] < 0, bi[..., 0], bi[..., 3])
+    assert bool((bi[..., 3] == bi[..., 0]).any())
+    check(run_kernels(q, k, v, do, bi, cfg), q, k, v, do, bi, cfg)
+    check(run_op(q, k, v, do, bi, cfg, "torch"), q, k, v, do, bi, cfg)

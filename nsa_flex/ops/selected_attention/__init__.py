@@ -38,8 +38,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     """o [B,T,Hq,Dv] in q's dtype; differentiable in q, k, v.
 
     q [B,T,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] (one dtype), block_indices [B,Hkv,T,n] int32/int64
-    (distinct ids per row, -1 unused; ascending as the selection op gives them, though order does
-    not matter). Blocks are config.sel_block tokens. cu_seqlens [n_docs+1] (B == 1): packed
+    (-1 unused; ascending as the selection op gives them, though order does not matter; a block
+    listed twice in a row counts once, as in the reference's mask). Blocks are config.sel_block tokens. cu_seqlens [n_docs+1] (B == 1): packed
     documents with document-local block ids. impl: "auto" (Triton on CUDA, else the twin),
     "triton" (the kernels on any device: CPU only under TRITON_INTERPRET=1) or "torch" (the twin).
     """

@@ -78,7 +78,11 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     t = torch.arange(T, device=device)
     doc_t = _document_of(cu, t)
     j = block_indices.long()
-    ok = (j >= 0) & (j * sel_block < lens[doc_t][:, None])
+    # A block listed twice in one row counts once (the reference's mask is a set): later copies
+    # read nothing. n x n compares per row, no sort, so the compiled index stays plain pointwise.
+    earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
+    repeat = ((j[..., :, None] == j[..., None, :]) & earlier).any(-1)
+    ok = (j >= 0) & ~repeat & (j * sel_block < lens[doc_t][:, None])
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
 
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.
