@@ -22,6 +22,11 @@ except ImportError:  # the CPU wheel of torch ships no Triton: ops run their tor
     HAS_TRITON = False
 
 
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): Triton's block shapes are powers of two."""
+    return 1 << max(0, x - 1).bit_length()
+
+
 @contextlib.contextmanager
 def quiet_without_triton():
     """Registering a triton_op logs "Triton not available" on machines without Triton (CPU

@@ -225,6 +225,10 @@ def _workspace_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, precision: 
     if impl != "flex" or not _block_centric(cfg, T, tiles):
         return 0
     from nsa_flex.ops.selected_attention.launch import launch_config
+    from nsa_flex.ops.triton_utils import next_pow2
+
+    def _pad16(d: int) -> int:
+        return max(16, next_pow2(d))
 
     n = cfg.nsa
     Hq, Hkv, Dk, Dv, N = n.n_heads, n.n_kv_heads, n.head_dim, n.dv, n.n_selected
@@ -235,8 +239,7 @@ def _workspace_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, precision: 
     forward = 4 * T * Hq * N * (Dv + 1)
     span = tile["BT"] * tile["bwd_chunks"]
     items = Hkv * (math.ceil(T * N / span) + math.ceil(T / n.sel_block) + 1)
-    pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731
-    dkv = 4 * items * max(16, pad(n.sel_block)) * (pad(Dk) + pad(Dv))
+    dkv = 4 * items * max(16, _pad16(n.sel_block)) * (_pad16(Dk) + _pad16(Dv))
     # dQ partials, dK/dV partials, and fp32 copies of dO and O for delta.
     backward = 4 * T * Hq * N * Dk + dkv + 8 * T * Hq * Dv
     return int(B * (index + max(forward, backward)))

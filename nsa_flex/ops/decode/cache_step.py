@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.library import custom_op
 
 from nsa_flex.ops import triton_utils
+from nsa_flex.ops.triton_utils import next_pow2
 from nsa_flex.ops.decode import kernels
 from nsa_flex.ops.decode.phi_step import _DTYPES, _phi_step_torch, phi_chunk_tokens, phi_params
 
@@ -147,7 +148,7 @@ def _cache_step_fake(*args) -> None:
 
 def phi_rows(rows: int) -> int:
     """Rows (sequence x kv head) per program of phi's matmuls: a power of two, 16 to 64."""
-    return min(64, max(16, kernels._next_pow2(rows)))
+    return min(64, max(16, next_pow2(rows)))
 
 
 def cache_step_triton(k_tok, v_tok, kw_tok, vw_tok, kc_tok, vc_tok, k, v, k_win, v_win, k_tail, v_tail, k_cmp,

@@ -41,6 +41,7 @@ import torch
 from nsa_flex.blocks import num_sel_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import triton_utils
+from nsa_flex.ops.triton_utils import next_pow2
 
 try:
     import triton
@@ -58,10 +59,6 @@ _TARGET_PROGRAMS = 512
 
 TILE_KEYS = ("BC", "SPLITS", "BN", "WCH", "TI", "IW", "SW", "DW", "num_warps", "num_stages", "maxnreg", "PDL", "WS",
              "FS", "TMA", "ST", "SREG")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -83,13 +80,13 @@ def launch_config(B: int, Hkv: int, Tc: int, config: NSAConfig) -> dict[str, int
     SREG, a cap on S's registers (128 past 16 kv heads, so that 4 programs fit an SM);
     maxnreg caps A's registers (a measurement knob: every cap tried was slower)."""
     R = config.sel_block // config.cmp_stride
-    BC = max(64, _next_pow2(R))
-    BN = max(16, min(64, _next_pow2(config.sel_block)))
+    BC = max(64, next_pow2(R))
+    BN = max(16, min(64, next_pow2(config.sel_block)))
     SPLITS = max(1, min(_cdiv(Tc, R * (BC // R)), _cdiv(_TARGET_PROGRAMS, B * Hkv)))
     WCH = BN * _cdiv(config.sel_block, BN)
     # D's partials per row: one warp up to ~100 of them, measured at 40 and 88 (see below).
     partials = SPLITS + config.n_selected + _cdiv(config.window, WCH)
-    return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // _next_pow2(BC // R)),
+    return {"BC": BC, "SPLITS": SPLITS, "BN": BN, "WCH": WCH, "TI": max(1, 128 // next_pow2(BC // R)),
             "IW": 4, "SW": 4, "DW": 1 if partials <= 96 else 4, "num_warps": 4, "num_stages": 2, "PDL": 1,
             "WS": int(B * Hkv <= 16), "FS": int(B * Hkv <= 4),
             "TMA": int(B * Hkv > 16), "ST": 1, "SREG": 128 if B * Hkv > 16 else 0}
@@ -144,7 +141,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     w = min(config.window, T)
     NW = _cdiv(w, WCH)
     dev = q.device
-    ROWS, DKP, DVP = max(16, _next_pow2(G)), max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+    ROWS, DKP, DVP = max(16, next_pow2(G)), max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     out_dtype = q.dtype
     q = q.to(k.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -158,7 +155,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     # tile's reach, KB - 1 tiles, or nothing: tokens no entry covers yet) and store the top
     # n of their keys; enough tiles that a program holds at least n keys.
     KB = 1 + _cdiv(JS - JT, JT)
-    NP = _next_pow2(N)
+    NP = next_pow2(N)
     TI, NPROG = _importance_programs(T, config, JT, cfg)
     f32 = torch.float32
     m_a, l_a = (torch.empty((BH, SPLITS, ROWS), dtype=f32, device=dev) for _ in range(2))
@@ -195,7 +192,7 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
         q, k_cmp, v_cmp, kc_desc, vc_desc, k_win, v_win, pos, fold, m_tile, m_a, l_a, acc_a, m_c, l_c, acc_c, arrived,
         Hkv, T, Tc, NT, w, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        **dims, **dots, BC=BC, BCL=BCL, JS=JS, FW=max(16, _next_pow2(JT if fs else JS)), FWU=JT if fs else JS,
+        **dims, **dots, BC=BC, BCL=BCL, JS=JS, FW=max(16, next_pow2(JT if fs else JS)), FWU=JT if fs else JS,
         SPLITS=SPLITS,
         CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride, R=R, M_CMP=M_CMP, N=N, NW=NW, WCH=WCH, BN=BN,
         WS=ws, PREFETCH=after_cache_step, TMA=tma, **traced[0], **launch,
@@ -203,22 +200,22 @@ def decode_attend_triton(q, k, v, k_win, v_win, k_cmp, v_cmp, pos, gates, scale:
     st = bool(cfg["ST"])
     wrap_triton(_importance_kernel)[grids[1]](
         fold, m_tile, m_a, l_a, pos, cand, arrived, blocks, Hkv, T, Tc, NS, NT,
-        G=G, GP=_next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), TI=TI, JT=JT,
-        JTP=_next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
+        G=G, GP=next_pow2(G), ROWS=ROWS, SPLITS=SPLITS, SPP=next_pow2(SPLITS), TI=TI, JT=JT,
+        JTP=next_pow2(JT), JS=JS, KB=KB, BCL=BCL, CMP_BLOCK=config.cmp_block, CMP_STRIDE=config.cmp_stride,
         SEL_BLOCK=config.sel_block, N_INIT=config.n_initial, N_LOCAL=config.n_local, N=N, NP=NP,
-        NPROGP=_next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **traced[1], **pdl_args,
+        NPROGP=next_pow2(NPROG), ST=st, num_warps=cfg["IW"], **traced[1], **pdl_args,
     )
     wrap_triton(_sel_win_kernel)[grids[2]](
         q, k, v, k_win, v_win, pos, blocks, cand, m_c, l_c, acc_c, Hkv, T, w, scale, NS, NPROG,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
         **dims, **dots, N=N, NW=NW, WCH=WCH, SEL_BLOCK=config.sel_block, BN=BN, WS=ws, ST=st, NP=NP,
-        NPROGP=_next_pow2(NPROG), num_warps=cfg["SW"], num_stages=cfg["num_stages"], **traced[2], **pdl_args,
+        NPROGP=next_pow2(NPROG), num_warps=cfg["SW"], num_stages=cfg["num_stages"], **traced[2], **pdl_args,
         **({"maxnreg": cfg["SREG"]} if cfg.get("SREG") else {}),
     )
     wrap_triton(_combine_kernel)[grids[3]](
         m_a, l_a, acc_a, m_c, l_c, acc_c, gates, o, pos, B,
-        ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=_next_pow2(SPLITS), N=N, NP=N + NW,
-        NPP=_next_pow2(N + NW), num_warps=cfg["DW"], **traced[3], **pdl_args,
+        ADVANCE=advance, G=G, ROWS=ROWS, DV=Dv, DVP=DVP, SPLITS=SPLITS, SPP=next_pow2(SPLITS), N=N, NP=N + NW,
+        NPP=next_pow2(N + NW), num_warps=cfg["DW"], **traced[3], **pdl_args,
     )
     return o, blocks
 
@@ -236,7 +233,7 @@ def launch_grids(B: int, Hkv: int, T: int, Tc: int, config: NSAConfig, cfg: dict
 def _importance_programs(T: int, config: NSAConfig, JT: int, cfg: dict[str, int]) -> tuple[int, int]:
     """(TI, programs per kv head) of B: TI tiles of JT blocks each, enough that a program holds at
     least n keys."""
-    TI = max(cfg["TI"], _cdiv(_next_pow2(config.n_selected), _next_pow2(JT)))
+    TI = max(cfg["TI"], _cdiv(next_pow2(config.n_selected), next_pow2(JT)))
     return TI, _cdiv(_cdiv(num_sel_blocks(T, config), JT), TI)
 
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.library import triton_op
 
 from nsa_flex.ops.decode import kernels
-from nsa_flex.ops.triton_utils import quiet_without_triton
+from nsa_flex.ops.triton_utils import next_pow2, quiet_without_triton
 
 if kernels.HAS_TRITON:
     import triton
@@ -96,7 +96,7 @@ def phi_chunk_tokens(cmp_block: int, h1: int, d_in: int, elements: int = 1 << 16
     """Tokens of the block whose first-layer products a program takes at once (a power of two,
     at least 1): a [TPC, H1, D_in] slice of w1 of at most `elements`, loaded in one go so that
     the chunk's weights are in flight together (4 tokens at H1 = D_in = 128 by default)."""
-    return min(kernels._next_pow2(cmp_block), max(1, elements // (h1 * d_in)))
+    return min(next_pow2(cmp_block), max(1, elements // (h1 * d_in)))
 
 
 def _phi_step_triton(tail, cmp, pos, pos_enc, w1, b1, w2, b2, cmp_block: int, cmp_stride: int, *,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from nsa_flex.config import NSAConfig
+from nsa_flex.ops.triton_utils import next_pow2
 
 try:
     import triton
@@ -43,10 +44,6 @@ except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its t
 
 # The keys of select_blocks_triton's tiles (maxnreg, a register cap, is a tuning-sweep extra).
 TILE_KEYS = ("BT", "BS", "DEPTH", "num_warps", "num_stages", "maxnreg")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
@@ -69,9 +66,9 @@ def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
     and at least 16. DEPTH candidates wait per (token, tile column) between merges (DEPTH=8
     merges half as often on random inputs, but was no faster).
     """
-    GP = _next_pow2(G)
+    GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
-    return {"BT": BT, "BS": max(16, _next_pow2(n)), "DEPTH": 4, "num_warps": 4, "num_stages": 2}
+    return {"BT": BT, "BS": max(16, next_pow2(n)), "DEPTH": 4, "num_warps": 4, "num_stages": 2}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
@@ -113,8 +110,8 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
     wrap_triton(_select_kernel)[(n_programs, B * Hkv)](
         q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, T, Tc, n_blocks, Hkv, scale,
         *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
-        G=G, GP=_next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, _next_pow2(Dk)),
-        R=R, RP=_next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
+        G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
+        R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
         SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
         N_INIT=config.n_initial, N_LOCAL=config.n_local,
         VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,

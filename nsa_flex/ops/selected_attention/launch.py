@@ -13,15 +13,12 @@ from torch import Tensor
 
 from nsa_flex.ops.selected_attention import kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, work_list
+from nsa_flex.ops.triton_utils import next_pow2
 
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "num_stages")
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int]:
@@ -45,8 +42,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     132 KB; at 192/128 (M = 32) 244 registers, 123 KB. fp32 (IEEE FMA dots, M = 32) spills but
     stays within shared memory (164 KB for the backward at 192/128). Not yet timed on a GPU.
     """
-    GP = _pow2(G)
-    DKP, DVP = max(16, _pow2(Dk)), max(16, _pow2(Dv))
+    GP = next_pow2(G)
+    DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     rows = 32 if dtype == torch.float32 or max(DKP, DVP) > 128 else 64
     BT = max(1, rows // GP)
     return {"BT": BT, "fwd_chunks": 4, "bwd_chunks": 32, "fwd_warps": 4,
@@ -65,8 +62,8 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
 def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int) -> dict:
     G = q.shape[2] // k.shape[2]
     Dk, Dv = q.shape[-1], v.shape[-1]
-    return dict(N=n, G=G, GP=_pow2(G), BT=BT, BL=max(16, _pow2(sel_block)), DK=Dk, DKP=max(16, _pow2(Dk)),
-                DV=Dv, DVP=max(16, _pow2(Dv)), F32_DOT=q.device.type == "cpu", IEEE=q.dtype == torch.float32)
+    return dict(N=n, G=G, GP=next_pow2(G), BT=BT, BL=max(16, next_pow2(sel_block)), DK=Dk, DKP=max(16, next_pow2(Dk)),
+                DV=Dv, DVP=max(16, next_pow2(Dv)), F32_DOT=q.device.type == "cpu", IEEE=q.dtype == torch.float32)
 
 
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
@@ -164,5 +161,5 @@ def _slot_sum(part, plse, index: SelectionIndex, out, lse, merge: bool) -> None:
     lse_ = lse if merge else part
     wrap_triton(kernels._slot_kernel)[(B * T * Hq,)](
         part, plse_, gid, out, lse_, T, Hq, G, *part.stride()[:4], *plse_.stride()[:3], *gid.stride()[:3],
-        *out.stride()[:3], *lse_.stride()[:3], N=n, NP=_pow2(n), D=D, DP=max(16, _pow2(D)), MERGE=merge,
+        *out.stride()[:3], *lse_.stride()[:3], N=n, NP=next_pow2(n), D=D, DP=max(16, next_pow2(D)), MERGE=merge,
         num_warps=1 if D <= 64 else 2)
