@@ -56,17 +56,23 @@ def test_estimate_scaling():
 
 
 def test_block_centric_selected_branch_counts_its_buffers():
-    """At G <= 8 the selected branch is block-centric: no BlockMask lists, a workspace of n fp32
-    partials per (token, query head), linear in T; the Flex path and dense attention have none."""
+    """At G <= 8 the selected branch is block-centric: no BlockMask lists, a workspace of n bf16
+    partials per (token, query head) of one token range: linear in T up to the range, then flat
+    (PARTIAL_BYTES); the Flex path and dense attention have none."""
+    from nsa_flex.ops.selected_attention.launch import PARTIAL_BYTES
+
     big = MODEL_PRESETS["seeds-125m"]  # G = 4
     T, n, Hq = 8192, big.nsa.n_selected, big.nsa.n_heads
     block = estimate(big, batch_size=1, seq_len=T)
     flex = estimate(big, batch_size=1, seq_len=T, sel_impl="flex")
     assert flex.workspace == 0 and estimate(big.replace(attention="dense"), batch_size=1, seq_len=T).workspace == 0
     assert block.masks == big.n_layers * 4 * big.nsa.n_kv_heads * T * n < flex.masks
-    # The backward's dQ partials (fp32, n per token and query head) bound it from below.
-    assert block.workspace >= 4 * T * Hq * n * big.nsa.head_dim
+    # The backward's dQ partials (bf16, n per token and query head) bound it from below.
+    assert block.workspace >= 2 * T * Hq * n * big.nsa.head_dim
     assert estimate(big, batch_size=1, seq_len=2 * T).workspace == pytest.approx(2 * block.workspace, rel=0.02)
+    # Past one range the partials stop growing: what grows is the index and the fp32 dK/dV sums.
+    long = [estimate(big, batch_size=1, seq_len=L).workspace for L in (1 << 16, 1 << 17)]
+    assert long[0] < 2 * PARTIAL_BYTES + (1 << 28) and long[1] - long[0] < long[0] / 2
     assert block.total == sum(b for name, b in block.rows() if name != "total")
 
 

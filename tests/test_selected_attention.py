@@ -317,6 +317,45 @@ def test_kernels_interpreted_packed_documents(poisoned):
 
 
 @interpreter
+@pytest.mark.parametrize("T, R, dtype, cu", [
+    (130, 64, torch.float32, None), (130, 50, torch.bfloat16, None), (97, 1, torch.float32, None),
+    (130, 45, torch.float32, [0, 40, 41, 41, 130]),
+], ids=["3-ranges", "bf16-ranges-across-blocks", "one-token-ranges", "ranges-across-documents"])
+def test_kernels_interpreted_token_ranges(T, R, dtype, cu, poisoned):
+    """A sequence run in token ranges (bounded partial buffers) equals the oracle: keys and
+    causality absolute, dK/dV summed over the ranges, ranges cutting blocks and documents."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, do = make_inputs(1, T, cfg, dtype, seed=T + R)
+    bi = random_selection(1, 2, T, 4, 16, seed=R, cu_seqlens=cu)
+    got = run_kernels(q, k, v, do, bi, cfg, cu, tiles=dict(range_tokens=R, bwd_chunks=2))
+    check(got, q, k, v, do, bi, cfg, cu)
+
+
+def test_range_tokens_bound_the_partial_buffers():
+    """Ranges: the whole sequence when its partials fit, else multiples of 64 tokens whose
+    partial buffer stays within PARTIAL_BYTES; an explicit range_tokens wins."""
+    assert launch.range_tokens(1, 8192, 12, 16, 64, torch.bfloat16) == 8192
+    for B, T, Hq, D, dtype in [(1, 65536, 16, 128, torch.bfloat16), (2, 65536, 12, 64, torch.float32),
+                               (64, 4096, 64, 192, torch.bfloat16)]:
+        R = launch.range_tokens(B, T, Hq, 16, D, dtype)
+        size = torch.empty((), dtype=launch.partial_dtype(dtype)).element_size()
+        assert R % 64 == 0 and 64 <= R < T
+        assert R == 64 or B * R * Hq * 16 * D * size <= launch.PARTIAL_BYTES
+    assert launch.range_tokens(1, 65536, 16, 16, 128, torch.bfloat16, dict(range_tokens=100)) == 100
+
+
+def test_compiled_index_skipped_while_tracing():
+    """Fake tensors (the op's body traced by AOTAutograd) use the plain index functions: a nested
+    compile there would fail and, before, switched the compiled index off for good."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not launch._tracing(torch.zeros(3, dtype=torch.int32))
+    with FakeTensorMode() as mode:
+        assert launch._tracing(mode.from_tensor(torch.zeros(3, dtype=torch.int32)))
+
+
+@interpreter
 def test_kernels_interpreted_causal():
     """Changing keys and values after token t0 changes nothing at tokens <= t0."""
     cfg = make_config(2, 32, 24, 4, 16)

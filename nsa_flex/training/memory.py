@@ -224,25 +224,11 @@ def _workspace_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, precision: 
     """The block-centric selected branch's buffers while one layer's forward or backward runs."""
     if impl != "flex" or not _block_centric(cfg, T, tiles):
         return 0
-    from nsa_flex.ops.selected_attention.launch import launch_config
-    from nsa_flex.ops.triton_utils import next_pow2
-
-    def _pad16(d: int) -> int:
-        return max(16, next_pow2(d))
+    from nsa_flex.ops.selected_attention.launch import workspace_bytes
 
     n = cfg.nsa
-    Hq, Hkv, Dk, Dv, N = n.n_heads, n.n_kv_heads, n.head_dim, n.dv, n.n_selected
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    tile = launch_config(n.group_size, Dk, Dv, dtype)
-    # Index: entries and block ids (int32), the sort's int64 keys and order.
-    index = 24 * Hkv * T * N
-    forward = 4 * T * Hq * N * (Dv + 1)
-    span = tile["BT"] * tile["bwd_chunks"]
-    items = Hkv * (math.ceil(T * N / span) + math.ceil(T / n.sel_block) + 1)
-    dkv = 4 * items * max(16, _pad16(n.sel_block)) * (_pad16(Dk) + _pad16(Dv))
-    # dQ partials, dK/dV partials, and fp32 copies of dO and O for delta.
-    backward = 4 * T * Hq * N * Dk + dkv + 8 * T * Hq * Dv
-    return int(B * (index + max(forward, backward)))
+    return workspace_bytes(B, T, n.n_heads, n.n_kv_heads, n.n_selected, n.head_dim, n.dv, n.sel_block, dtype)
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -59,23 +59,29 @@ def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
     return -(-T // sel_block) + n_docs
 
 
-def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None) -> SelectionIndex:
+def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None,
+                positions: Tensor | None = None, seq_len: int | None = None) -> SelectionIndex:
     """The SelectionIndex of block_indices [B, Hkv, T, n] (document-local ids with cu_seqlens, B == 1).
 
-    Slots with -1, or with a block past the end of the token's document, read nothing.
+    Slots with -1, or with a block past the end of the token's document, read nothing. A token
+    range of a longer sequence: positions [T] are its tokens' places in the sequence of seq_len
+    tokens (default: the whole sequence, arange(T)); entries stay local (t - positions[0]) and
+    the virtual blocks span the whole sequence. positions is a tensor, not an offset, so a
+    compiled index serves every range of one length without recompiling.
     """
     B, Hkv, T, n = block_indices.shape
     device = block_indices.device
-    cu = _bounds(cu_seqlens, T, device)
+    seq_len = T if seq_len is None else seq_len
+    cu = _bounds(cu_seqlens, seq_len, device)
     n_docs = cu.shape[0] - 1
-    Nv = num_virtual_blocks(T, sel_block, n_docs)
+    Nv = num_virtual_blocks(seq_len, sel_block, n_docs)
     lens = cu[1:] - cu[:-1]
     doc_blocks = (lens + sel_block - 1) // sel_block
     last_blk = torch.cumsum(doc_blocks, 0)
     first_blk = last_blk - doc_blocks
     blk_start, blk_end = _virtual_blocks(cu, last_blk, first_blk, Nv, sel_block)
 
-    t = torch.arange(T, device=device)
+    t = torch.arange(T, device=device) if positions is None else positions
     doc_t = _document_of(cu, t)
     j = block_indices.long()
     # A block listed twice in one row counts once (the reference's mask is a set): later copies

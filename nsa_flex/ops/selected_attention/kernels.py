@@ -6,12 +6,16 @@ tokens, each chunk M = BT * G' query rows (the G heads of a kv head are adjacent
 the next power of two, pad rows masked). So K/V are read once per BT * chunks tokens, not once
 per token as in the token-centric loop.
 
-Forward: each (token, slot) gets a block-local softmax, partial o (fp32, normalised) and
-partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel merges a token's n
-partials. Backward: P = exp(S - lse) from the global lse, dV and dK accumulate in registers
-over the item's chunks and go to an fp32 partial per item, summed per block in item order by
-_block_sum_kernel (deterministic, no atomics); dQ goes to an fp32 partial per (token, slot),
-summed over the slots by _slot_kernel.
+Forward: each (token, slot) gets a block-local softmax, partial o (normalised, in the partial
+buffer's dtype) and partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel
+merges a token's n partials in fp32. Backward: P = exp(S - lse) from the global lse, dV and dK
+accumulate in registers over the item's chunks and go to an fp32 partial per item, summed per
+block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to a partial per
+(token, slot), summed over the slots in fp32 by _slot_kernel.
+
+The launches may cover a token range [T0, T0 + T') of the sequence (launch.py splits long
+sequences so the partial buffers stay bounded): entries, q, dO and the partial buffers are
+local to the range, keys and causality are absolute (token T0 + t).
 
 Under Triton's interpreter (CPU tests) the dots run in fp32 (F32_DOT): its dot misreads
 16-bit inputs. fp32 inputs use IEEE dots (not TF32) on the GPU.
@@ -73,14 +77,14 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_kernel(
         q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, entries_ptr,
-        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, scale,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """Partial o [B,T,Hq,n,Dv] and partial lse (base 2) [B,T,Hq,n] of one work item's tokens."""
+        """Partial o [B,T',Hq,n,Dv] and partial lse (base 2) [B,T',Hq,n] of one work item's tokens."""
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
                                                  blk_end_ptr, Hkv, Nv)
@@ -97,7 +101,7 @@ if HAS_TRITON:
                 q_md = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
                                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
                 s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
-                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= t[:, None])
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
                 s = tl.where(vis, s, float("-inf"))
                 m = tl.max(s, axis=1)
                 m = tl.where(m == float("-inf"), 0.0, m)
@@ -107,22 +111,23 @@ if HAS_TRITON:
                 o = acc / tl.where(l > 0, l, 1.0)[:, None]
                 lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
                 row = b * so_b + t * so_t + hq * so_h + slot * so_n
-                tl.store(po_ptr + row[:, None] + dv[None, :], o, mask=row_ok[:, None] & (dv[None, :] < DV))
+                tl.store(po_ptr + row[:, None] + dv[None, :], o.to(po_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & (dv[None, :] < DV))
                 tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
 
     @triton.jit
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
-        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, scale,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """dQ partials [B,T,Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
+        """dQ partials [B,T',Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
 
-        lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
+        lse [B, Hq, T'] natural log (-inf: no visible key), delta [B, Hq, T'] = rowsum(dO * O).
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
@@ -150,7 +155,7 @@ if HAS_TRITON:
                 lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
                 s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
-                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= t[:, None])
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
                 # A row with no visible key anywhere has lse -inf and no visible key here either.
                 p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
                 dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
@@ -159,21 +164,24 @@ if HAS_TRITON:
                 dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
                 dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
                 row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
-                tl.store(dqp_ptr + row[:, None] + dk[None, :], dq, mask=row_ok[:, None] & (dk[None, :] < DK))
+                tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & (dk[None, :] < DK))
             r = tl.arange(0, BL)
             tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
             tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
 
     @triton.jit
     def _block_sum_kernel(
-        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, first_item_ptr, n_items_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv,
-        sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
+        blk_end_ptr, Hkv, Nv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        ADD: tl.constexpr,
     ):
         """dK, dV of one (batch, kv head, virtual block): its items' partials summed in item order.
 
         Every key lies in exactly one virtual block, so this writes all of dK and dV (zeros for
-        keys no token selected)."""
+        keys no token selected). ADD: plus dk_in / dv_in (fp32, dK/dV's strides), the sums of
+        the token ranges before this one; in-place (in == out) is fine, a program owns its keys."""
         row = tl.program_id(0)
         vb = row % Nv
         b = (row // Nv // Hkv).to(tl.int64)
@@ -192,6 +200,11 @@ if HAS_TRITON:
         key = tl.load(blk_start_ptr + vb) + r
         key_ok = key < tl.load(blk_end_ptr + vb)
         kt = key.to(tl.int64)[:, None]
+        if ADD:
+            dk_acc += tl.load(dk_in_ptr + b * sk_b + kt * sk_t + h * sk_h + dk[None, :],
+                              mask=key_ok[:, None] & (dk[None, :] < DK), other=0.0)
+            dv_acc += tl.load(dv_in_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :],
+                              mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
         tl.store(dk_ptr + b * sk_b + kt * sk_t + h * sk_h + dk[None, :], dk_acc.to(dk_ptr.dtype.element_ty),
                  mask=key_ok[:, None] & (dk[None, :] < DK))
         tl.store(dv_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
@@ -219,7 +232,7 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         used = tl.load(gid_ptr + b * sg_b + (hq // G) * sg_h + t * sg_t + n, mask=n < N, other=-1) >= 0
         part = tl.load(part_ptr + b * sp_b + t * sp_t + hq * sp_h + n[:, None] * sp_n + d[None, :],
-                       mask=used[:, None] & (d[None, :] < D), other=0.0)
+                       mask=used[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
         if MERGE:
             plse = tl.load(plse_ptr + b * spl_b + t * spl_t + hq * spl_h + n, mask=used, other=float("-inf"))
             m = tl.max(plse, axis=0)

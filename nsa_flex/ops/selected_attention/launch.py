@@ -12,13 +12,17 @@ import torch
 from torch import Tensor
 
 from nsa_flex.ops.selected_attention import kernels
-from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, work_list
+from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import next_pow2
 
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
-TILE_KEYS = ("BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "num_stages")
+TILE_KEYS = ("BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "num_stages", "range_tokens")
+
+# The partial buffers (o in the forward, dQ in the backward: n partials per token and query
+# head) of one token range stay under this many bytes; longer sequences run range by range.
+PARTIAL_BYTES = 1 << 29
 
 
 def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int]:
@@ -40,14 +44,53 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     registers, 49-99 KB shared memory, no spills; backward at Dk = Dv = 64 with 4 warps 240
     registers, 66 KB; at 128/128 with 8 warps 254-255 registers (G=16: no spill, G=4: 60 bytes),
     132 KB; at 192/128 (M = 32) 244 registers, 123 KB. fp32 (IEEE FMA dots, M = 32) spills but
-    stays within shared memory (164 KB for the backward at 192/128). Not yet timed on a GPU.
+    stays within shared memory (164 KB for the backward at 192/128).
+
+    range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     rows = 32 if dtype == torch.float32 or max(DKP, DVP) > 128 else 64
     BT = max(1, rows // GP)
     return {"BT": BT, "fwd_chunks": 4, "bwd_chunks": 32, "fwd_warps": 4,
-            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "num_stages": 2}
+            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "num_stages": 2, "range_tokens": 0}
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The partial o / dQ buffers' dtype: the inputs' own. A 16-bit partial is one rounding of a
+    block's normalised output (or a slot's dQ) before the fp32 merge, against fp32 partials it
+    halves the op's largest buffers and their traffic."""
+    return dtype
+
+
+def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, tiles: dict | None = None) -> int:
+    """Tokens per range: the partial buffer [B, range, Hq, n, D] within PARTIAL_BYTES, a multiple
+    of 64 tokens (at least 64), or all T when that fits. tiles["range_tokens"] > 0 overrides."""
+    fixed = (tiles or {}).get("range_tokens", 0)
+    if fixed:
+        return max(1, min(T, int(fixed)))
+    per_token = B * Hq * n * D * torch.empty((), dtype=partial_dtype(dtype)).element_size()
+    fit = PARTIAL_BYTES // max(1, per_token)
+    return T if fit >= T else max(64, fit // 64 * 64)
+
+
+def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int,
+                    dtype: torch.dtype) -> int:
+    """The op's own buffers while its forward or backward runs (the larger), for memory estimates."""
+    cfg = launch_config(Hq // Hkv, Dk, Dv, dtype)
+    R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype))
+    part = torch.empty((), dtype=partial_dtype(dtype)).element_size()
+    # Index of one range: entries and block ids (int32), the sort's int64 keys and order.
+    index = 24 * B * Hkv * R * n
+    forward = B * R * Hq * n * (part * Dv + 4)
+    span = cfg["BT"] * cfg["bwd_chunks"]
+    items = B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1))
+    pad = lambda d: max(16, next_pow2(d))  # noqa: E731
+    dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
+    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
+    ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
+    backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq
+    return int(index + max(forward, backward))
 
 
 def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
@@ -66,25 +109,34 @@ def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int
                 DV=Dv, DVP=max(16, next_pow2(Dv)), F32_DOT=q.device.type == "cpu", IEEE=q.dtype == torch.float32)
 
 
+def _ranges(T: int, R: int):
+    """Token ranges [t0, t1) of at most R tokens covering [0, T)."""
+    return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
+
+
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path."""
     q, k, v = _unit_stride(q, k, v)
     B, T, Hq, _ = q.shape
     Hkv, n, Dv = k.shape[2], block_indices.shape[-1], v.shape[-1]
     cfg = _tiles(q, k, v, tiles)
-    index, items = index_and_items(block_indices, sel_block, cu_seqlens, cfg["BT"] * cfg["fwd_chunks"], T, n)
-    po = torch.empty(B, T, Hq, n, Dv, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, T, Hq, n, dtype=torch.float32, device=q.device)
-    Nv = index.blk_start.shape[0]
-    if items.blk.shape[0] > 0:
-        wrap_triton(kernels._fwd_kernel)[(items.blk.shape[0],)](
-            q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start, index.blk_end,
-            Hkv, Nv, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *po.stride()[:4],
-            *plse.stride()[:3], **_constexprs(q, k, v, sel_block, n, cfg["BT"]),
-            num_warps=cfg["fwd_warps"], num_stages=cfg["num_stages"])
+    consts = _constexprs(q, k, v, sel_block, n, cfg["BT"])
+    R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    _slot_sum(po, plse, index, o, lse, merge=True)
+    po = torch.empty(B, min(R, T), Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
+    plse = torch.empty(B, min(R, T), Hq, n, dtype=torch.float32, device=q.device)
+    for t0, t1 in _ranges(T, R):
+        index, items = index_and_items(block_indices[:, :, t0:t1], sel_block, cu_seqlens,
+                                       cfg["BT"] * cfg["fwd_chunks"], t0, T)
+        po_r, plse_r = po[:, :t1 - t0], plse[:, :t1 - t0]
+        if items.blk.shape[0] > 0:
+            wrap_triton(kernels._fwd_kernel)[(items.blk.shape[0],)](
+                q[:, t0:t1], k, v, po_r, plse_r, index.entries, items.blk, items.start, items.end, index.blk_start,
+                index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
+                *v.stride()[:3], *po_r.stride()[:4], *plse_r.stride()[:3], **consts,
+                num_warps=cfg["fwd_warps"], num_stages=cfg["num_stages"])
+        _slot_sum(po_r, plse_r, index, o[:, t0:t1], lse[:, :, t0:t1], merge=True)
     return o, lse
 
 
@@ -95,53 +147,76 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     Hkv, n = k.shape[2], block_indices.shape[-1]
     cfg = _tiles(q, k, v, tiles)
     consts = _constexprs(q, k, v, sel_block, n, cfg["BT"])
-    index, items = index_and_items(block_indices, sel_block, cu_seqlens, cfg["BT"] * cfg["bwd_chunks"], T, n)
-    W, Nv = items.blk.shape[0], index.blk_start.shape[0]
+    R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do = do.contiguous()
     # [B, Hq, T] like lse: the kernel reads both at one offset.
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
     lse = lse.contiguous()
-    dqp = torch.empty(B, T, Hq, n, Dk, dtype=torch.float32, device=q.device)
-    dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
-    dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
-    if W > 0:
-        wrap_triton(kernels._bwd_kernel)[(W,)](
-            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
-            index.blk_start, index.blk_end, Hkv, Nv, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
-            num_warps=cfg["bwd_warps"], num_stages=cfg["num_stages"])
-    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
-    if B * Hkv * Nv > 0:
-        wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
-            dkp, dvp, dk, dv, items.first_item, items.n_items, index.blk_start, index.blk_end, Hkv, Nv,
-            *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"], DV=consts["DV"],
-            DVP=consts["DVP"], num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
-    dq = q.new_empty(q.shape)
-    _slot_sum(dqp, None, index, dq, None, merge=False)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    ranges = _ranges(T, R)
+    # Ranges before the last add their dK/dV sums into fp32 buffers shaped like dk / dv.
+    dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else dk
+    dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else dv
+    dqp = torch.empty(B, min(R, T), Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
+    for i, (t0, t1) in enumerate(ranges):
+        index, items = index_and_items(block_indices[:, :, t0:t1], sel_block, cu_seqlens,
+                                       cfg["BT"] * cfg["bwd_chunks"], t0, T)
+        W, Nv = items.blk.shape[0], index.blk_start.shape[0]
+        dqp_r = dqp[:, :t1 - t0]
+        dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
+        dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
+        lse_r, delta_r = lse[:, :, t0:t1], delta[:, :, t0:t1]
+        if W > 0:
+            wrap_triton(kernels._bwd_kernel)[(W,)](
+                q[:, t0:t1], k, v, do[:, t0:t1], lse_r, delta_r, dqp_r, dkp, dvp, index.entries, items.blk,
+                items.start, items.end, index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse_r.stride(), *dqp_r.stride()[:4],
+                **consts, num_warps=cfg["bwd_warps"], num_stages=cfg["num_stages"])
+        last = i == len(ranges) - 1
+        dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
+        if B * Hkv * Nv > 0:
+            wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
+                dkp, dvp, dk_out, dv_out, dk_sum, dv_sum, items.first_item, items.n_items, index.blk_start,
+                index.blk_end, Hkv, Nv, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk,
+                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], ADD=i > 0,
+                num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
+        _slot_sum(dqp_r, None, index, dq[:, t0:t1], None, merge=False)
     return dq, dk, dv
 
 
-def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, T: int, n: int):
-    index = build_index(block_indices, sel_block, cu_seqlens)
-    return index, work_list(index, span, T, n)
+def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int):
+    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len)
+    return index, work_list(index, span, block_indices.shape[2], block_indices.shape[3])
 
 
 _COMPILED_INDEX = torch.compile(_index_and_items, dynamic=False)
 
 
-def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, T: int, n: int):
-    """(SelectionIndex, WorkList). Compiled once per shape on CUDA: eagerly its ~60 small kernels
-    take more host time than the attention takes on the GPU at 8k tokens. Inside an outer
-    torch.compile (or on CPU) the plain functions run, and the outer graph fuses them."""
+def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int):
+    """(SelectionIndex, WorkList) of the token range [t0, t0 + T') whose selection is block_indices
+    [B, Hkv, T', n]. Compiled once per shape on CUDA: eagerly its ~60 small kernels take more
+    host time than the attention takes on the GPU at 8k tokens. While an outer torch.compile
+    traces the op (or on CPU) the plain functions run, and the outer graph fuses them."""
     global _COMPILED_INDEX
-    if _COMPILED_INDEX is not None and block_indices.is_cuda and not torch.compiler.is_compiling():
+    positions = None
+    if cu_seqlens is not None:  # a single sequence needs no positions (every token is in it)
+        positions = torch.arange(t0, t0 + block_indices.shape[2], device=block_indices.device)
+    if _COMPILED_INDEX is not None and block_indices.is_cuda and not _tracing(block_indices):
         try:
-            return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, T, n)
+            return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, positions, seq_len)
         except Exception as exc:  # a compiler bug of this torch version: the same functions, eagerly
             _COMPILED_INDEX = None
             warnings.warn(f"selected_attention: compiling the selection index failed on torch {torch.__version__} "
-                          f"({type(exc).__name__}); it runs eagerly from now on (same result, more host time)")
-    return _index_and_items(block_indices, sel_block, cu_seqlens, span, T, n)
+                          f"({type(exc).__name__}: {exc}); it runs eagerly from now on (same result, more host "
+                          f"time)")
+    return _index_and_items(block_indices, sel_block, cu_seqlens, span, positions, seq_len)
+
+
+def _tracing(x: Tensor) -> bool:
+    """True while torch.compile traces the op: Dynamo itself, or AOTAutograd / Inductor running the
+    op's body on fake or functional tensors (where torch.compiler.is_compiling() is False). A
+    nested compile there fails, and the outer graph takes the plain functions anyway."""
+    return torch.compiler.is_compiling() or type(x) is not Tensor or torch._guards.TracingContext.try_get() is not None
 
 
 def _unit_stride(*xs: Tensor) -> tuple[Tensor, ...]:
