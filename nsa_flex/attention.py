@@ -21,18 +21,25 @@ IMPLS = ("auto", "reference", "flex")
 _ROUTED: set[str] = set()
 
 
-def resolve_impl(impl: str, device: torch.device | str, needs_grad: bool = False) -> str:
+def resolve_impl(impl: str, device: torch.device | str, needs_grad: bool = False,
+                 dtype: torch.dtype | None = None) -> str:
     """The implementation that runs for `impl` on `device`: "reference" or "flex". Unknown values raise.
 
-    "auto" is flex on CUDA and reference elsewhere. "flex" off CUDA with gradients needed runs
-    the reference (FlexAttention has no CPU backward) and warns once per process.
+    "auto" is flex on CUDA and reference elsewhere, and reference for float64 inputs (`dtype`)
+    on CUDA, where FlexAttention has no float64 kernels; "flex" with them raises. "flex" off CUDA
+    with gradients needed runs the reference (FlexAttention has no CPU backward) and warns once
+    per process.
     """
     on_cuda = torch.device(device).type == "cuda"
+    fp64 = on_cuda and dtype == torch.float64
     match impl:
         case "auto":
-            return "flex" if on_cuda else "reference"
+            return "flex" if on_cuda and not fp64 else "reference"
         case "reference":
             return "reference"
+        case "flex" if fp64:
+            raise ValueError("impl='flex' got float64 inputs on CUDA; FlexAttention's CUDA kernels run float16, "
+                             "bfloat16 and float32. Use impl='reference' (or 'auto') for float64")
         case "flex" if on_cuda or not needs_grad:
             return "flex"
         case "flex":
@@ -83,7 +90,7 @@ def nsa_attention(
         check_inputs(q, k, v, k_cmp, v_cmp, gates, config, block_indices, cu_seqlens, k_win, v_win)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
-    match resolve_impl(impl, q.device, needs_grad):
+    match resolve_impl(impl, q.device, needs_grad, q.dtype):
         case "reference":
             from nsa_flex import reference
 
@@ -206,7 +213,7 @@ class NSAAttention(nn.Module):
         """
         cfg = self.config
         needs_grad = torch.is_grad_enabled() and (x_btc.requires_grad or self.wq.weight.requires_grad)
-        impl = resolve_impl(self.impl, x_btc.device, needs_grad)
+        impl = resolve_impl(self.impl, x_btc.device, needs_grad, self.wq.weight.dtype)
         if not torch.compiler.is_compiling():
             self.last_impl = impl
         B, T, _ = x_btc.shape

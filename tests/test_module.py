@@ -265,6 +265,12 @@ def test_impl_auto_is_the_default():
     assert resolve_impl("auto", "cpu") == resolve_impl("reference", "cuda") == "reference"
     assert resolve_impl("auto", "cuda") == resolve_impl("flex", "cuda", needs_grad=True) == "flex"
     assert resolve_impl("flex", "cpu") == "flex"
+    # FlexAttention has no float64 CUDA kernels: auto takes the reference there, flex says so.
+    assert resolve_impl("auto", "cuda", dtype=torch.float64) == "reference"
+    assert resolve_impl("flex", "cpu", dtype=torch.float64) == "flex"
+    assert resolve_impl("auto", "cuda", dtype=torch.float32) == "flex"
+    with pytest.raises(ValueError, match="float64.*impl='reference'"):
+        resolve_impl("flex", "cuda", dtype=torch.float64)
     with pytest.raises(ValueError, match=r"unknown impl 'fast'; allowed: 'auto', 'reference', 'flex'"):
         resolve_impl("fast", "cpu")
 
