@@ -443,6 +443,35 @@ def test_compile_fullgraph_cuda():
                    atol=2e-2, rtol=2e-2)
 
 
+@gpu
+def test_compile_fullgraph_cuda_token_ranges_batch(monkeypatch):
+    """Compiled with Inductor at B=3, in several token ranges, with q a strided view (as a fused
+    projection gives): equals the eager op. Strided index tensors once made the compiled kernels
+    read past their buffers here (an illegal address at B=4, 8k tokens in the model)."""
+    monkeypatch.setattr(launch, "PARTIAL_BYTES", 1 << 24)  # ranges of 320 tokens
+    cfg = make_config(4, 64, 64, 16, 64)
+    B, T = 3, 1500
+    assert len(launch._ranges(T, launch.range_tokens(B, T, 8, 16, 64, torch.bfloat16))) >= 3
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def step(qkv, k, v, bi):
+        return selected_attention(qkv[..., :64], k, v, bi, cfg)
+
+    q, k, v, do = make_inputs(B, T, cfg, torch.bfloat16, seed=8, device="cuda")
+    bi = random_selection(B, 2, T, 16, 64, seed=8, drop=0.0).cuda()
+    qkv = torch.cat([q, torch.zeros_like(q)], -1)
+    x = [t.clone().requires_grad_() for t in (qkv, k, v)]
+    o = step(*x, bi)
+    got = (o, *torch.autograd.grad(o, x, do))
+    want = run_op(q, k, v, do, bi, cfg, "auto")
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1][..., :64], want[1], atol=2e-2, rtol=2e-2)
+    for a, b in zip(got[2:], want[2:]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    check(want, q, k, v, do, bi, cfg)
+
+
 def test_compile_fullgraph_cpu():
     """The op and its autograd trace whole (the twin on CPU): compiled equals eager, one frame."""
     check_compiled("aot_eager", "cpu", make_config(2, 32, 24, 4, 16), 70, torch.float32, "torch")

@@ -14,8 +14,10 @@ block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to
 (token, slot), summed over the slots in fp32 by _slot_kernel.
 
 The launches may cover a token range [T0, T0 + T') of the sequence (launch.py splits long
-sequences so the partial buffers stay bounded): entries, q, dO and the partial buffers are
-local to the range, keys and causality are absolute (token T0 + t).
+sequences so the partial buffers stay bounded): entries and the partial buffers are local to
+the range (t), every whole-sequence tensor (q, dO, o, lse, keys) is read and written at the
+absolute token T0 + t. No launch gets a view with an offset: under torch.compile a mutated
+view argument is cloned and copied back, which is where offsets went wrong.
 
 Under Triton's interpreter (CPU tests) the dots run in fp32 (F32_DOT): its dot misreads
 16-bit inputs. fp32 inputs use IEEE dots (not TF32) on the GPU.
@@ -98,7 +100,7 @@ if HAS_TRITON:
             scale2 = tl.cast(scale * LOG2E, tl.float32)
             for c0 in range(start, end, BT):
                 t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
-                q_md = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
+                q_md = tl.load(q_ptr + b * sq_b + (T0 + t[:, None]) * sq_t + hq[:, None] * sq_h + dk[None, :],
                                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
                 s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
                 vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
@@ -127,7 +129,7 @@ if HAS_TRITON:
     ):
         """dQ partials [B,T',Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
 
-        lse [B, Hq, T'] natural log (-inf: no visible key), delta [B, Hq, T'] = rowsum(dO * O).
+        lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
@@ -147,11 +149,11 @@ if HAS_TRITON:
             dv_acc = tl.zeros([BL, DVP], tl.float32)
             for c0 in range(start, end, BT):
                 t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
-                q_md = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
+                q_md = tl.load(q_ptr + b * sq_b + (T0 + t[:, None]) * sq_t + hq[:, None] * sq_h + dk[None, :],
                                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-                do_md = tl.load(do_ptr + b * sdo_b + t[:, None] * sdo_t + hq[:, None] * sdo_h + dv[None, :],
+                do_md = tl.load(do_ptr + b * sdo_b + (T0 + t[:, None]) * sdo_t + hq[:, None] * sdo_h + dv[None, :],
                                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-                stat = b * sl_b + hq * sl_h + t * sl_t
+                stat = b * sl_b + hq * sl_h + (T0 + t) * sl_t
                 lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
                 s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
@@ -175,13 +177,14 @@ if HAS_TRITON:
         dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
         blk_end_ptr, Hkv, Nv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        ADD: tl.constexpr,
+        ADD: tl.constexpr, IN_PLACE: tl.constexpr,
     ):
         """dK, dV of one (batch, kv head, virtual block): its items' partials summed in item order.
 
         Every key lies in exactly one virtual block, so this writes all of dK and dV (zeros for
         keys no token selected). ADD: plus dk_in / dv_in (fp32, dK/dV's strides), the sums of
-        the token ranges before this one; in-place (in == out) is fine, a program owns its keys."""
+        the token ranges before this one; IN_PLACE: those sums are read from dk / dv themselves
+        (a program owns its keys), so no launch gets one tensor twice."""
         row = tl.program_id(0)
         vb = row % Nv
         b = (row // Nv // Hkv).to(tl.int64)
@@ -201,10 +204,16 @@ if HAS_TRITON:
         key_ok = key < tl.load(blk_end_ptr + vb)
         kt = key.to(tl.int64)[:, None]
         if ADD:
-            dk_acc += tl.load(dk_in_ptr + b * sk_b + kt * sk_t + h * sk_h + dk[None, :],
-                              mask=key_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            dv_acc += tl.load(dv_in_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :],
-                              mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
+            if IN_PLACE:
+                src_k = dk_ptr
+                src_v = dv_ptr
+            else:
+                src_k = dk_in_ptr
+                src_v = dv_in_ptr
+            dk_acc += tl.load(src_k + b * sk_b + kt * sk_t + h * sk_h + dk[None, :],
+                              mask=key_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+            dv_acc += tl.load(src_v + b * sv_b + kt * sv_t + h * sv_h + dv[None, :],
+                              mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
         tl.store(dk_ptr + b * sk_b + kt * sk_t + h * sk_h + dk[None, :], dk_acc.to(dk_ptr.dtype.element_ty),
                  mask=key_ok[:, None] & (dk[None, :] < DK))
         tl.store(dv_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
@@ -212,12 +221,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _slot_kernel(
-        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, Hq, G,
+        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, T0, Hq, G,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
         so_b, so_t, so_h, sl_b, sl_h, sl_t,
         N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, MERGE: tl.constexpr,
     ):
-        """One (b, t, query head): its n slots' partials [n, D] -> out [D] in out's dtype.
+        """One (b, t, query head) of the range: its n slots' partials [n, D] -> out [D] in out's
+        dtype at token T0 + t (part, plse, gid: [B, T', ...] of the range; out, lse: whole).
 
         MERGE: softmax-weighted by the partial lse (base 2); also writes the global lse (natural
         log, -inf when no slot saw a key). Else a plain sum (dQ). Slots that read nothing
@@ -241,7 +251,7 @@ if HAS_TRITON:
             den = tl.sum(wgt, axis=0)
             out = tl.sum(part * wgt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
             lse = tl.where(den > 0, (m + tl.math.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf"))
-            tl.store(lse_ptr + b * sl_b + hq * sl_h + t * sl_t, lse)
+            tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse)
         else:
             out = tl.sum(part, axis=0)
-        tl.store(out_ptr + b * so_b + t * so_t + hq * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + hq * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)

@@ -109,6 +109,14 @@ def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int
                 DV=Dv, DVP=max(16, next_pow2(Dv)), F32_DOT=q.device.type == "cpu", IEEE=q.dtype == torch.float32)
 
 
+def _range_of(block_indices: Tensor, t0: int, t1: int) -> Tensor:
+    """The selection of tokens [t0, t1), dense. A strided slice would give the index tensors
+    (gid_bhtn) strides with gaps, which the kernels receive as numbers fixed at trace time; under
+    torch.compile Inductor may lay such an intermediate out densely, and the kernels would then
+    read past it."""
+    return block_indices[:, :, t0:t1].contiguous()
+
+
 def _ranges(T: int, R: int):
     """Token ranges [t0, t1) of at most R tokens covering [0, T)."""
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
@@ -116,7 +124,7 @@ def _ranges(T: int, R: int):
 
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path."""
-    q, k, v = _unit_stride(q, k, v)
+    q, k, v = _dense(q, k, v)
     B, T, Hq, _ = q.shape
     Hkv, n, Dv = k.shape[2], block_indices.shape[-1], v.shape[-1]
     cfg = _tiles(q, k, v, tiles)
@@ -124,25 +132,25 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    po = torch.empty(B, min(R, T), Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
-    plse = torch.empty(B, min(R, T), Hq, n, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
-        index, items = index_and_items(block_indices[:, :, t0:t1], sel_block, cu_seqlens,
+        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["BT"] * cfg["fwd_chunks"], t0, T)
-        po_r, plse_r = po[:, :t1 - t0], plse[:, :t1 - t0]
+        # The range's own buffers (not views of one buffer): see kernels.py on views.
+        po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
+        plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
         if items.blk.shape[0] > 0:
             wrap_triton(kernels._fwd_kernel)[(items.blk.shape[0],)](
-                q[:, t0:t1], k, v, po_r, plse_r, index.entries, items.blk, items.start, items.end, index.blk_start,
+                q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
                 index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *po_r.stride()[:4], *plse_r.stride()[:3], **consts,
+                *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
                 num_warps=cfg["fwd_warps"], num_stages=cfg["num_stages"])
-        _slot_sum(po_r, plse_r, index, o[:, t0:t1], lse[:, :, t0:t1], merge=True)
+        _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
     """(dq, dk, dv) in the inputs' dtypes on the Triton path; lse as forward returns it."""
-    q, k, v = _unit_stride(q, k, v)
+    q, k, v = _dense(q, k, v)
     B, T, Hq, Dk = q.shape
     Hkv, n = k.shape[2], block_indices.shape[-1]
     cfg = _tiles(q, k, v, tiles)
@@ -154,33 +162,33 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     lse = lse.contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     ranges = _ranges(T, R)
-    # Ranges before the last add their dK/dV sums into fp32 buffers shaped like dk / dv.
-    dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else dk
-    dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else dv
-    dqp = torch.empty(B, min(R, T), Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
+    # Ranges before the last sum their dK/dV into fp32 buffers shaped like dk / dv (in place).
+    dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
+    dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
     for i, (t0, t1) in enumerate(ranges):
-        index, items = index_and_items(block_indices[:, :, t0:t1], sel_block, cu_seqlens,
+        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
-        dqp_r = dqp[:, :t1 - t0]
+        dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
-        lse_r, delta_r = lse[:, :, t0:t1], delta[:, :, t0:t1]
         if W > 0:
             wrap_triton(kernels._bwd_kernel)[(W,)](
-                q[:, t0:t1], k, v, do[:, t0:t1], lse_r, delta_r, dqp_r, dkp, dvp, index.entries, items.blk,
-                items.start, items.end, index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3],
-                *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse_r.stride(), *dqp_r.stride()[:4],
-                **consts, num_warps=cfg["bwd_warps"], num_stages=cfg["num_stages"])
+                q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
+                index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
+                *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
+                num_warps=cfg["bwd_warps"], num_stages=cfg["num_stages"])
         last = i == len(ranges) - 1
+        # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
         dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
+        dk_in, dv_in = (dk_sum, dv_sum) if last and i > 0 else (dkp, dvp)  # dkp / dvp: never read
         if B * Hkv * Nv > 0:
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
-                dkp, dvp, dk_out, dv_out, dk_sum, dv_sum, items.first_item, items.n_items, index.blk_start,
+                dkp, dvp, dk_out, dv_out, dk_in, dv_in, items.first_item, items.n_items, index.blk_start,
                 index.blk_end, Hkv, Nv, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk,
-                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], ADD=i > 0,
+                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], ADD=i > 0, IN_PLACE=not last,
                 num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
-        _slot_sum(dqp_r, None, index, dq[:, t0:t1], None, merge=False)
+        _slot_sum(dqp, None, index, dq, None, t0, merge=False)
     return dq, dk, dv
 
 
@@ -219,22 +227,27 @@ def _tracing(x: Tensor) -> bool:
     return torch.compiler.is_compiling() or type(x) is not Tensor or torch._guards.TracingContext.try_get() is not None
 
 
-def _unit_stride(*xs: Tensor) -> tuple[Tensor, ...]:
-    """The kernels index the head dim with unit stride; anything else is copied."""
-    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
+def _dense(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Contiguous q, k, v: the kernels get their strides as numbers fixed when torch.compile traces
+    the op, and Inductor keeps a contiguous input's layout exactly (a strided one only its stride
+    order). A no-op for the usual contiguous projections."""
+    return tuple(x.contiguous() for x in xs)
 
 
-def _slot_sum(part, plse, index: SelectionIndex, out, lse, merge: bool) -> None:
-    """out[b, t, hq] = the n slots' partials of (b, t, hq) merged (forward) or summed (dQ)."""
+def _slot_sum(part, plse, index: SelectionIndex, out, lse, t0: int, merge: bool) -> None:
+    """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward) or summed (dQ)."""
     B, T, Hq, n, D = part.shape
     if B * T * Hq == 0:
         return
     gid = index.gid_bhtn
     G = Hq // gid.shape[1]
-    # Without merge the lse pointers are never read: pass the partial in their place.
-    plse_ = plse if merge else part
-    lse_ = lse if merge else part
+    # Without merge the lse pointers are never read or written: pass the index's block ids (an
+    # int32 tensor no other argument aliases) in their place.
+    plse_ = plse if merge else index.blk_start
+    lse_ = lse if merge else index.blk_end
+    sp = plse_.stride()[:3] if merge else (0, 0, 0)
+    sl = lse_.stride()[:3] if merge else (0, 0, 0)
     wrap_triton(kernels._slot_kernel)[(B * T * Hq,)](
-        part, plse_, gid, out, lse_, T, Hq, G, *part.stride()[:4], *plse_.stride()[:3], *gid.stride()[:3],
-        *out.stride()[:3], *lse_.stride()[:3], N=n, NP=next_pow2(n), D=D, DP=max(16, next_pow2(D)), MERGE=merge,
+        part, plse_, gid, out, lse_, T, t0, Hq, G, *part.stride()[:4], *sp, *gid.stride()[:3],
+        *out.stride()[:3], *sl, N=n, NP=next_pow2(n), D=D, DP=max(16, next_pow2(D)), MERGE=merge,
         num_warps=1 if D <= 64 else 2)
