@@ -87,9 +87,9 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     items = B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
-    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
+    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta and its range's fp32 dO, O.
     ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
-    backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq
+    backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq + 8 * B * R * Hq * Dv
     return int(index + max(forward, backward))
 
 
@@ -157,8 +157,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     consts = _constexprs(q, k, v, sel_block, n, cfg["BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do = do.contiguous()
-    # [B, Hq, T] like lse: the kernel reads both at one offset.
-    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+    # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset);
+    # filled range by range, so its fp32 temporaries stay the size of one range.
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     lse = lse.contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     ranges = _ranges(T, R)
@@ -169,6 +170,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
+        delta[:, :, t0:t1] = (do[:, t0:t1].float() * o[:, t0:t1].float()).sum(-1).transpose(1, 2)
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
