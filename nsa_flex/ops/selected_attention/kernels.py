@@ -16,8 +16,9 @@ block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to
 The launches may cover a token range [T0, T0 + T') of the sequence (launch.py splits long
 sequences so the partial buffers stay bounded): entries and the partial buffers are local to
 the range (t), every whole-sequence tensor (q, dO, o, lse, keys) is read and written at the
-absolute token T0 + t. No launch gets a view with an offset: under torch.compile a mutated
-view argument is cloned and copied back, which is where offsets went wrong.
+absolute token T0 + t. Every argument is a whole dense tensor, never a strided slice: strides
+arrive as numbers fixed when torch.compile traces the op, and Inductor may lay out a strided
+argument densely, which the fixed strides would then read past.
 
 Under Triton's interpreter (CPU tests) the dots run in fp32 (F32_DOT): its dot misreads
 16-bit inputs. fp32 inputs use IEEE dots (not TF32) on the GPU.
