@@ -339,7 +339,7 @@ def test_range_tokens_bound_the_partial_buffers():
     for B, T, Hq, D, dtype in [(1, 65536, 16, 128, torch.bfloat16), (2, 65536, 12, 64, torch.float32),
                                (64, 4096, 64, 192, torch.bfloat16)]:
         R = launch.range_tokens(B, T, Hq, 16, D, dtype)
-        size = torch.empty((), dtype=launch.partial_dtype(dtype)).element_size()
+        size = launch.partial_dtype(dtype).itemsize
         assert R % 64 == 0 and 64 <= R < T
         assert R == 64 or B * R * Hq * 16 * D * size <= launch.PARTIAL_BYTES
     assert launch.range_tokens(1, 65536, 16, 16, 128, torch.bfloat16, dict(range_tokens=100)) == 100

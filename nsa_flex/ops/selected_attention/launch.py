@@ -69,7 +69,7 @@ def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, ti
     fixed = (tiles or {}).get("range_tokens", 0)
     if fixed:
         return max(1, min(T, int(fixed)))
-    per_token = B * Hq * n * D * torch.empty((), dtype=partial_dtype(dtype)).element_size()
+    per_token = B * Hq * n * D * partial_dtype(dtype).itemsize
     fit = PARTIAL_BYTES // max(1, per_token)
     return T if fit >= T else max(64, fit // 64 * 64)
 
@@ -79,7 +79,7 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     """The op's own buffers while its forward or backward runs (the larger), for memory estimates."""
     cfg = launch_config(Hq // Hkv, Dk, Dv, dtype)
     R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype))
-    part = torch.empty((), dtype=partial_dtype(dtype)).element_size()
+    part = partial_dtype(dtype).itemsize
     # Index of one range: entries and block ids (int32), the sort's int64 keys and order.
     index = 24 * B * Hkv * R * n
     forward = B * R * Hq * n * (part * Dv + 4)
