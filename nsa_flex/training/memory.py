@@ -15,9 +15,9 @@ Parts and how exact they are:
   layer); for the reference path the dense [T, T] scores, probabilities and masks of its three
   branches (O(T^2): the oracle's cost).
 - workspace: where the selected branch is block-centric (groups up to 8), the buffers one layer's
-  forward or backward holds while it runs: fp32 partial outputs (forward) or dQ partials and
-  dK/dV partials (backward), n per (token, query head), and the inverse index. Counted from the
-  op's buffer sizes; not yet checked against a GPU peak.
+  forward or backward holds while it runs: partial outputs (forward) or dQ partials and dK/dV
+  partials (backward), n per (token, query head) of one token range, and the inverse index
+  (nsa_flex.ops.selected_attention.launch.workspace_bytes). Not yet checked against a GPU peak.
 - logits: the output layer and the loss (fp32 log-softmax and its gradient when eager; a
   fused compiled loss keeps the low-precision logits and their gradient).
 The total adds every part, as if all gradients were alive at the activation peak; that

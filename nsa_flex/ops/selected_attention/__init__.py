@@ -8,8 +8,8 @@ branch (nsa_flex.reference: _selection_mask, _attend).
 At small GQA groups the token-centric loop (each query tile walks its n blocks) reads every
 block's K/V once per query tile, so it is bound by K/V traffic. Here a program takes one key
 block and a span of the tokens that selected it (FSA, arXiv 2508.18224): K/V are read once
-per span, the traffic per (token, block) is the G query rows plus an fp32 partial output
-(kernels.py). The inverse index and the work list (index.py) come from shapes-only sizes,
+per span, the traffic per (token, block) is the G query rows plus a partial output in the
+inputs' dtype (kernels.py); long sequences run in token ranges that bound those partials. The inverse index and the work list (index.py) come from shapes-only sizes,
 so the op traces under torch.compile(fullgraph=True) and CUDA graphs.
 
 On CUDA the op runs the Triton kernels; elsewhere, or without Triton, the torch twin (twin.py).
