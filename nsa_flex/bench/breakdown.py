@@ -1,0 +1,315 @@
+"""Where the NSA op's time goes on CUDA: each step alone against its floor, and the whole op's kernels.
+
+    nsa-flex bench breakdown --preset g4 -T 16k,64k        (or python -m nsa_flex.bench.breakdown)
+
+Per length T, bf16, B=1, random inputs (selections from the op's own selection step):
+- the whole op compiled with fullgraph=True (as `nsa-flex bench attention` runs it), fwd and
+  fwd+bwd, and dense causal cuDNN in the same run;
+- each step of the op alone (compiled alone where the op compiles it), fwd and fwd+bwd, with a
+  floor: its attention flops at the rate dense cuDNN reached in this run, or, for the copies and
+  the gated sum, its bytes at HBM_GBPS;
+- one torch.profiler pass over three fwd+bwd calls of the whole op: GPU time per kernel family
+  and the longest kernels.
+Times are triton.testing.do_bench medians. The JSON is rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from nsa_flex.bench.core import describe_error, environment, free_memory, git_commit
+from nsa_flex.bench.flops import BWD_FACTOR, dense_causal_flops, nsa_flops
+from nsa_flex.config import PRESETS, NSAConfig
+
+HBM_GBPS = 3000.0
+"""Bytes floor of the copy-like steps: about what an H100 SXM's HBM3 sustains (3.35 TB/s peak)."""
+
+# Kernel families of the profile, first match wins (Inductor names Flex templates triton_tem_*,
+# its pointwise / reduction kernels triton_poi_* / triton_red_* / triton_per_*).
+FAMILIES = (
+    ("selected op", r"^_(fwd|bwd|slot|block_sum)_kernel"),
+    ("selection op", r"select|_score|_topn"),
+    ("flex attention", r"flex_attention|triton_tem"),
+    ("sort / scan (index)", r"(?i)sort|radix|scan|cub::"),
+    ("cuDNN / GEMM", r"(?i)cudnn|gemm|sm90_|cutlass|nvjet"),
+    ("elementwise / reductions", r"^triton_(poi|red|per)|elementwise|reduce|vectorized"),
+    ("copies / fills", r"(?i)memcpy|memset|copy|fill"),
+)
+
+
+def family(kernel: str) -> str:
+    """The family of a kernel name (FAMILIES), "other" when none matches."""
+    return next((name for name, pattern in FAMILIES if re.search(pattern, kernel)), "other")
+
+
+@dataclass
+class Row:
+    T: int
+    step: str
+    mode: str
+    ms: float | None
+    floor_ms: float | None = None
+    floor_basis: str = ""
+    error: str | None = None
+
+
+@dataclass
+class Profile:
+    T: int
+    per_call_ms: dict[str, float] = field(default_factory=dict)
+    """GPU time per kernel family, per fwd+bwd call."""
+    top: list[tuple[str, float, int]] = field(default_factory=list)
+    """(kernel, ms per call, launches per call), longest first."""
+
+
+def _inputs(cfg: NSAConfig, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    from nsa_flex.blocks import num_cmp_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Tc, Hq, Hkv, Dk, Dv = num_cmp_blocks(T, cfg), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
+    shapes = {"q": (1, T, Hq, Dk), "k": (1, T, Hkv, Dk), "v": (1, T, Hkv, Dv), "k_cmp": (1, Tc, Hkv, Dk),
+              "v_cmp": (1, Tc, Hkv, Dv)}
+    x = {n: torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for n, s in shapes.items()}
+    x["gates"] = torch.sigmoid(torch.randn(1, T, Hq, 3, generator=g, device="cuda", dtype=torch.bfloat16))
+    return x
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, return_mode="median")
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    out = fn()
+    grad = torch.randn_like(out)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        torch.autograd.backward(fn(), grad, inputs=leaves)
+    return step
+
+
+def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callable, list, str]]:
+    """name -> (forward, leaves with gradients, what its floor counts) of each step the op runs."""
+    from nsa_flex.flex import branches
+    from nsa_flex.flex.tuning import FlexTiles
+    from nsa_flex.ops import select_blocks
+    from nsa_flex.ops.selected_attention import selected_attention
+
+    tiles, scale, Hkv, T = FlexTiles(), cfg.head_dim ** -0.5, cfg.n_kv_heads, x["q"].shape[1]
+    leaf = {n: t.detach().requires_grad_(True) for n, t in x.items()}
+    q_fold = branches.fold(x["q"], Hkv).detach().requires_grad_(True)
+    with torch.no_grad():
+        _, lse = branches.compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, tiles)
+        sel = select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale)
+        o_fold = [torch.randn_like(q_fold[..., :cfg.dv]) for _ in range(3)]
+    o_fold = [t.requires_grad_(True) for t in o_fold]
+    block = tiles.selected_impl(T, cfg.group_size) == "block"
+    compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False)  # noqa: E731
+    out = {
+        "fold q": (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
+        "compressed branch": (lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale,
+                                                                 tiles)[0], [q_fold, leaf["k_cmp"], leaf["v_cmp"]],
+                              "cmp"),
+        "selection op": (lambda: select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale), [], "scores"),
+    }
+    if block:
+        out["selected branch (block op)"] = (
+            lambda: selected_attention(leaf["q"], leaf["k"], leaf["v"], sel, cfg, scale=scale),
+            [leaf["q"], leaf["k"], leaf["v"]], "sel")
+        # The op folds o_sel [B, T, Hq, Dv] for the gated sum: the same copy as q's when Dv = Dk.
+        out["fold o_sel"] = (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes")
+    else:
+        out["selected branch (flex)"] = (
+            lambda: branches.selected_branch(q_fold, leaf["k"], leaf["v"], sel, cfg, scale, tiles, None, True),
+            [q_fold, leaf["k"], leaf["v"]], "sel")
+    out["window branch"] = (lambda: branches.window_branch(q_fold, leaf["k"], leaf["v"], cfg, scale, tiles),
+                            [q_fold, leaf["k"], leaf["v"]], "win")
+    combine = branches.combine_for(x["q"])
+    out["gated sum"] = (lambda: combine(*o_fold, leaf["gates"], T), [*o_fold, leaf["gates"]], "sum")
+    return out
+
+
+def floor_ms(basis: str, cfg: NSAConfig, T: int, mode: str, dense_tflops: dict[str, float],
+             x: dict[str, torch.Tensor]) -> float | None:
+    """The step's floor: its flops at dense's rate of this mode, or its bytes at HBM_GBPS."""
+    rate = dense_tflops.get(mode)
+    factor = 1.0 if mode == "fwd" else 1.0 + BWD_FACTOR
+    if basis in ("cmp", "sel", "win"):
+        return None if rate is None else nsa_flops(1, T, cfg, (basis,)) * factor / rate / 1e9
+    if basis == "scores":  # Q K^T of the importance scores: 2 * Dk per (query head, compressed key), no grad
+        if rate is None or mode != "fwd":
+            return None
+        keys = nsa_flops(1, T, cfg, ("cmp",)) / (cfg.head_dim + cfg.dv)
+        return keys * cfg.head_dim / rate / 1e9
+    # Copies and the gated sum: read + write of [T, Hq, D] tensors (gated sum: three in, one out).
+    q = x["q"]
+    one = q.numel() * q.element_size()
+    n = 2 if basis == "bytes" else 4
+    return n * one * (1 if mode == "fwd" else 2) / HBM_GBPS / 1e6
+
+
+def profile_op(op: Callable[[], torch.Tensor], leaves: list[torch.Tensor], T: int, calls: int = 3,
+               top: int = 20) -> Profile:
+    """GPU time of the op's fwd+bwd kernels per call, by family, and the `top` longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _fwd_bwd(op, leaves)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, tuple[float, int]] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            kernels[e.key] = (us / 1e3 / calls, e.count // calls)
+    result = Profile(T)
+    for name, (ms, _) in kernels.items():
+        fam = family(name)
+        result.per_call_ms[fam] = result.per_call_ms.get(fam, 0.0) + ms
+    result.per_call_ms["total"] = sum(ms for ms, _ in kernels.values())
+    longest = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    result.top = [(name[:120], ms, n) for name, (ms, n) in longest]
+    return result
+
+
+def dense_ms(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v = (x[n].detach().transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
+    G = cfg.group_size
+    k, v = (t.detach().repeat_interleave(G, 1).requires_grad_(True) for t in (k, v))
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa(q, k, v, is_causal=True)
+
+    with torch.no_grad():
+        f = _ms(fwd)
+    return {"fwd": f, "fwd+bwd": _ms(_fwd_bwd(fwd, [q, k, v]))}
+
+
+def run(preset: str, Ts, out_path, commit: str | None = None) -> tuple[list[Row], list[Profile]]:
+    """Breaks the op down at every T; prints Markdown and writes JSON to out_path."""
+    from nsa_flex.attention import nsa_attention
+    from nsa_flex.flex.tuning import install_flex_tuning
+
+    install_flex_tuning()
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 512
+    cfg = PRESETS[preset]
+    whole = torch.compile(nsa_attention, fullgraph=True, dynamic=False)
+    rows: list[Row] = []
+    profiles: list[Profile] = []
+    for T in Ts:
+        x = _inputs(cfg, T)
+        leaves = [t.requires_grad_(True) for t in x.values()]
+        dense = dense_ms(cfg, x)
+        rows += [Row(T, "dense cuDNN", m, ms) for m, ms in dense.items()]
+        dense_flops = dense_causal_flops(1, cfg.n_heads, T, cfg.head_dim, cfg.dv)
+        rate = {"fwd": dense_flops / dense["fwd"] / 1e9,
+                "fwd+bwd": dense_flops * (1 + BWD_FACTOR) / dense["fwd+bwd"] / 1e9}
+        op = lambda: whole(**x, config=cfg)  # noqa: E731
+        _save_rows(rows, profiles, out_path, commit, preset)
+        for mode in ("fwd", "fwd+bwd"):
+            try:
+                fn = _fwd_bwd(op, leaves) if mode == "fwd+bwd" else _no_grad(op)
+                rows.append(Row(T, "whole op (compiled)", mode, _ms(fn)))
+            except Exception as exc:
+                rows.append(Row(T, "whole op (compiled)", mode, None, error=describe_error(exc)))
+                free_memory("cuda")
+            print(_line(rows[-1]), flush=True)
+        for name, (fn, step_leaves, basis) in steps(cfg, {n: t.detach() for n, t in x.items()}).items():
+            for mode in ("fwd", "fwd+bwd") if step_leaves else ("fwd",):
+                try:
+                    timed = _fwd_bwd(fn, step_leaves) if mode == "fwd+bwd" else _no_grad(fn)
+                    timed()
+                    rows.append(Row(T, name, mode, _ms(timed), floor_ms(basis, cfg, T, mode, rate, x),
+                                    "bytes" if basis in ("bytes", "sum") else f"{basis} flops at dense's rate"))
+                except Exception as exc:
+                    rows.append(Row(T, name, mode, None, error=describe_error(exc)))
+                    free_memory("cuda")
+                print(_line(rows[-1]), flush=True)
+                _save_rows(rows, profiles, out_path, commit, preset)
+        try:
+            profiles.append(profile_op(op, leaves, T))
+            print(profile_markdown(profiles[-1]), flush=True)
+        except Exception as exc:
+            print(f"T={T}: profile failed: {describe_error(exc)}", flush=True)
+        _save_rows(rows, profiles, out_path, commit, preset)
+        del x, leaves
+        free_memory("cuda")
+    print(markdown(rows))
+    return rows, profiles
+
+
+def _no_grad(fn):
+    def step():
+        with torch.no_grad():
+            return fn()
+    return step
+
+
+def _save_rows(rows, profiles, out_path, commit, preset) -> None:
+    header = {"suite": "breakdown", "preset": preset, "commit": commit or git_commit(), **environment("cuda")}
+    with open(out_path, "w") as fh:
+        json.dump({"header": header, "rows": [asdict(r) for r in rows], "profiles": [asdict(p) for p in profiles]},
+                  fh, indent=1)
+
+
+def _line(r: Row) -> str:
+    if r.ms is None:
+        return f"T={r.T} {r.step} {r.mode}: ERROR {r.error}"
+    floor = f" (floor {r.floor_ms:.3f}, {r.ms / r.floor_ms:.1f}x)" if r.floor_ms else ""
+    return f"T={r.T} {r.step} {r.mode}: {r.ms:.3f} ms{floor}"
+
+
+def markdown(rows: list[Row]) -> str:
+    """One line per (T, step): fwd and fwd+bwd ms, each over its floor."""
+    lines = ["| T | step | fwd ms | fwd+bwd ms | fwd / floor | fwd+bwd / floor |", "|---|---|---|---|---|---|"]
+    keys = dict.fromkeys((r.T, r.step) for r in rows)
+    for T, step in keys:
+        by = {r.mode: r for r in rows if (r.T, r.step) == (T, step)}
+        cells = []
+        for mode in ("fwd", "fwd+bwd"):
+            r = by.get(mode)
+            cells.append("-" if r is None else "err" if r.ms is None else f"{r.ms:.3f}")
+        for mode in ("fwd", "fwd+bwd"):
+            r = by.get(mode)
+            cells.append(f"{r.ms / r.floor_ms:.1f}x" if r and r.ms and r.floor_ms else "-")
+        lines.append(f"| {T} | {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def profile_markdown(p: Profile) -> str:
+    lines = [f"T={p.T}, whole op fwd+bwd, GPU ms per call by kernel family:", "| family | ms |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in sorted(p.per_call_ms.items(), key=lambda kv: -kv[1])]
+    lines += ["", "| kernel | ms | launches |", "|---|---|---|"]
+    lines += [f"| `{name}` | {ms:.3f} | {n} |" for name, ms, n in p.top]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="g4", choices=sorted(PRESETS))
+    p.add_argument("--T", default="16384,65536", help="comma-separated sequence lengths")
+    p.add_argument("--out", default="breakdown.json")
+    p.add_argument("--commit", default=None, help="commit to record when the checkout has no git metadata")
+    args = p.parse_args()
+    run(args.preset, [int(t) for t in args.T.split(",")], args.out, args.commit)
+
+
+if __name__ == "__main__":
+    main()
