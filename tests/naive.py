@@ -90,6 +90,25 @@ def padded_indices(selected, n: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def compressed_dense(q, k_cmp, v_cmp, cfg, scale: float):
+    """(o [B,Hq,T,Dv], lse [B,Hq,T]) of the compressed branch alone, dense, in q's dtype (fp64 for an oracle).
+
+    Block i (last token i*d + l - 1) is visible to token t once complete; rows with no visible
+    block give o = 0 and lse = -inf.
+    """
+    T, G = q.shape[1], q.shape[2] // k_cmp.shape[2]
+    t = torch.arange(T, device=q.device)
+    last = torch.arange(k_cmp.shape[1], device=q.device) * cfg.cmp_stride + cfg.cmp_block - 1
+    visible = last[None, :] <= t[:, None]
+    k = k_cmp.transpose(1, 2).repeat_interleave(G, 1)
+    v = v_cmp.transpose(1, 2).repeat_interleave(G, 1)
+    s = (q.transpose(1, 2) @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(visible, torch.softmax(s, -1), 0).nan_to_num(0.0)
+    return p @ v, lse
+
+
 def random_inputs(cfg, T: int, *, B: int = 1, dtype=torch.float64, seed: int = 0, window_kv: bool = False) -> dict:
     """Random op inputs for nsa_attention / nsa_reference as a dict of tensors.
 

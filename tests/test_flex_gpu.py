@@ -81,6 +81,8 @@ CASES = [
     pytest.param(2, 2, 64, 32, 130, 1, FP16, 3, 64, id="G2-Dk64-Dv32-T130-fp16"),
     pytest.param(8, 1, 64, 64, 200, 1, FP32, 4, 128, id="G8-D64-T200-fp32"),
     pytest.param(1, 2, 128, 64, 77, 1, BF16, 3, 32, id="G1-Dk128-Dv64-T77-bf16"),
+    # Dk = Dv = 128, 16-bit: the compressed branch runs the grouped cuDNN call, the selected one the block op.
+    pytest.param(4, 2, 128, 128, 1111, 2, BF16, 16, 512, id="G4-D128-T1111-B2-bf16"),
 ]
 
 
@@ -172,3 +174,46 @@ def test_document_masking_equals_separate_documents():
     o_ref, _ = nsa_reference_varlen(*(x[n].detach().float() for n in GRAD_INPUTS), cfg, cu, cu_cmp,
                                     block_indices=sel)
     torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("G,Hkv,D,T,B,dtype", [
+    pytest.param(4, 4, 128, 4099, 2, BF16, id="G4-D128-T4099-B2-bf16"),
+    pytest.param(16, 1, 128, 1000, 1, BF16, id="G16-D128-T1000-bf16"),
+    pytest.param(1, 2, 64, 777, 1, FP16, id="G1-D64-T777-fp16"),
+    pytest.param(4, 1, 64, 40, 1, BF16, id="G4-D64-T40-one-block"),
+])
+def test_compressed_cudnn_against_fp64_oracle(G, Hkv, D, T, B, dtype):
+    """The grouped cuDNN call: o, lse and dq / dk_cmp / dv_cmp within 2x the Flex call's error
+    against the fp64 dense branch (same inputs), plus the floor."""
+    from nsa_flex.flex import compressed_branch, fold
+    from naive import compressed_dense
+
+    install_flex_tuning()
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=D)
+    x = cuda_inputs(cfg, T, B, dtype, seed=3)
+    q, kc, vc = x["q"], x["k_cmp"], x["v_cmp"]
+    scale = D ** -0.5
+    do = torch.randn(B, Hkv, T * G, D, device="cuda", dtype=dtype)
+    results = {}
+    for impl in ("cudnn", "flex"):
+        o, lse = compressed_branch(fold(q, Hkv), kc, vc, cfg, scale, FlexTiles(cmp_impl=impl))
+        grads = torch.autograd.grad(o, (q, kc, vc), do)
+        # folded [B, Hkv, T*G, D] -> [B, Hq, T, D], the oracle's layout
+        results[impl] = (o.detach().view(B, Hkv, T, G, D).transpose(2, 3).reshape(B, Hkv * G, T, D), lse, *grads)
+    x64 = [t.detach().double().requires_grad_(True) for t in (q, kc, vc)]
+    o64, lse64 = compressed_dense(*x64, cfg, scale)
+    do64 = do.double().view(B, Hkv, T, G, D).transpose(2, 3).reshape(B, Hkv * G, T, D)
+    g64 = torch.autograd.grad(o64, x64, do64)
+    eps = torch.finfo(dtype).eps
+    report = {}
+    finite = lse64.isfinite()
+    assert torch.equal(results["cudnn"][1].isfinite(), finite)
+    for i, (name, oracle) in enumerate([("o", o64), ("lse", lse64), ("dq", g64[0]), ("dk_cmp", g64[1]),
+                                        ("dv_cmp", g64[2])]):
+        ours, flex = results["cudnn"][i].double(), results["flex"][i].double()
+        if name == "lse":
+            ours, flex, oracle = ours[finite], flex[finite], oracle[finite]
+        err = (ours - oracle).abs().max().item()
+        flex_err = (flex - oracle).abs().max().item()
+        report[name] = (err, 2 * flex_err + FLOOR_ULPS[dtype] * eps * oracle.abs().max().item())
+    assert_within_tolerance(report)

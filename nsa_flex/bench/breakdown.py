@@ -115,18 +115,22 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     block = tiles.selected_impl(T, cfg.group_size) == "block"
     compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False)  # noqa: E731
     out = {
+        # The op also folds o_sel [B, T, Hq, Dv] for the gated sum: the same copy when Dv = Dk.
         "fold q": (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
         "compressed branch": (lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale,
                                                                  tiles)[0], [q_fold, leaf["k_cmp"], leaf["v_cmp"]],
                               "cmp"),
         "selection op": (lambda: select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale), [], "scores"),
     }
+    if branches.compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], tiles) != "flex":
+        flex_tiles = FlexTiles(cmp_impl="flex")
+        out["compressed branch (flex, not run by the op)"] = (
+            lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale, flex_tiles)[0],
+            [q_fold, leaf["k_cmp"], leaf["v_cmp"]], "cmp")
     if block:
         out["selected branch (block op)"] = (
             lambda: selected_attention(leaf["q"], leaf["k"], leaf["v"], sel, cfg, scale=scale),
             [leaf["q"], leaf["k"], leaf["v"]], "sel")
-        # The op folds o_sel [B, T, Hq, Dv] for the gated sum: the same copy as q's when Dv = Dk.
-        out["fold o_sel"] = (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes")
     else:
         out["selected branch (flex)"] = (
             lambda: branches.selected_branch(q_fold, leaf["k"], leaf["v"], sel, cfg, scale, tiles, None, True),

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_mask, flex_attention
 
-from nsa_flex.flex import tuning
+from nsa_flex.flex import compressed_groups, tuning
 from nsa_flex.compression import compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, window_block_mask
@@ -200,13 +200,31 @@ def repeat_heads(kv_bhtd: torch.Tensor, chunks: int) -> torch.Tensor:
     return kv_bhtd[:, :, None].expand(B, H, chunks, T, D).reshape(B, H * chunks, T, D)
 
 
+def compressed_impl(q_fold, k_cmp, v_cmp, tiles: FlexTiles, docs: Documents | None = None) -> str:
+    """The compressed branch's implementation: tiles.cmp_impl, or cudnn where it applies, else flex."""
+    applies = compressed_groups.cudnn_applies(q_fold, k_cmp, v_cmp)
+    match tiles.cmp_impl:
+        case None:
+            return "cudnn" if applies and docs is None else "flex"
+        case "cudnn" | "torch" if docs is not None:
+            raise ValueError(f"FlexTiles.cmp_impl={tiles.cmp_impl!r} runs one sequence per batch row; packed "
+                             "documents (cu_seqlens) take cmp_impl='flex' or None")
+        case "cudnn" if not applies:
+            raise ValueError(f"FlexTiles.cmp_impl='cudnn' needs CUDA tensors in {compressed_groups.CUDNN_DTYPES} "
+                             f"with Dk = Dv in {compressed_groups.CUDNN_HEAD_DIMS}; got {q_fold.device.type}, "
+                             f"{q_fold.dtype}, Dk={q_fold.shape[-1]}, Dv={v_cmp.shape[-1]}. Use cmp_impl=None")
+        case _:
+            return tiles.cmp_impl
+
+
 def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles,
                       docs: Documents | None = None):
     """(o [B,Hkv,T*G,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete).
 
-    The folded rows go in as up to tiles.max_chunks row chunks (extra heads, see
-    ops.blockmask.query_chunks): the branch has few kv blocks, and its backward runs one
-    dK/dV program per (head, kv block).
+    compressed_impl picks the call. The grouped one (cudnn / torch) is plain causal attention over
+    token groups (flex.compressed_groups). The Flex one takes the folded rows as up to
+    tiles.max_chunks row chunks (extra heads, see ops.blockmask.query_chunks): the branch has
+    few kv blocks, and its backward runs one dK/dV program per (head, kv block).
     """
     B, Hkv, rows, _ = q_fold.shape
     Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
@@ -216,6 +234,10 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
         # No complete compression block anywhere (T < l): the branch is exactly 0.
         return (q_fold.new_zeros(B, Hkv, rows, Dv),
                 q_fold.new_full((B, Hkv * G, T), float("-inf"), dtype=torch.float32))
+    impl = compressed_impl(q_fold, k_cmp, v_cmp, tiles, docs)
+    if impl != "flex":
+        attend = compressed_groups.cudnn_attention_lse if impl == "cudnn" else compressed_groups.causal_attention_lse
+        return compressed_groups.compressed_grouped(q_fold, k_cmp, v_cmp, config, scale, attend)
     S = query_chunks(rows, tiles.cmp_block[0], tiles.max_chunks, tiles.min_chunk_rows)
     mask = shape_mask(compressed_block_mask, T, Tc, config, q_fold.device, tiles.cmp_block, G, docs=docs, chunks=S,
                       heads=Hkv)

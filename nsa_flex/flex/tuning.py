@@ -61,7 +61,16 @@ class FlexTiles:
     program loads one key block and walks the tokens that selected it) or "flex" (a Flex call over
     folded query tiles, each walking its tokens' blocks). None: `selected_impl` picks by group size."""
 
+    cmp_impl: str | None = None
+    """The compressed branch: "flex" (a Flex call over the folded rows with the compression mask),
+    "cudnn" (one causal cuDNN call over token groups, flex.compressed_groups) or "torch" (that
+    grouped call in plain torch: any device, for tests). None: cudnn where it applies (CUDA,
+    16-bit, Dk = Dv in 64 / 128, one sequence per batch row), else flex."""
+
     def __post_init__(self) -> None:
+        if self.cmp_impl not in (None, *COMPRESSED_IMPLS):
+            raise ValueError(f"FlexTiles.cmp_impl={self.cmp_impl!r}: allowed None (where it applies) or "
+                             f"{', '.join(map(repr, COMPRESSED_IMPLS))}")
         if self.sel_impl not in (None, *SELECTED_IMPLS):
             raise ValueError(f"FlexTiles.sel_impl={self.sel_impl!r}: allowed None (by group size) or "
                              f"{', '.join(map(repr, SELECTED_IMPLS))}")
@@ -118,6 +127,7 @@ SHORT_SEQ_FACTOR = 2
 """See FlexTiles.sel_rows."""
 
 SELECTED_IMPLS = ("block", "flex")
+COMPRESSED_IMPLS = ("flex", "cudnn", "torch")
 BLOCK_CENTRIC_MAX_GROUP = 8
 """See FlexTiles.selected_impl."""
 

@@ -34,8 +34,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     keeps tl.dot's 16-row minimum; G' > 32 takes one token per chunk.
 
     A forward item walks fwd_chunks chunks with one load of K/V (K/V bytes per token shrink by
-    BT * fwd_chunks against the token-centric loop); its partial o per (token, slot) is written
-    anyway, so a few chunks suffice. A backward item walks bwd_chunks chunks with dK/dV in
+    BT * fwd_chunks against the token-centric loop). Each chunk moves its M query rows in and M
+    partial rows out, so at 8 chunks the block's K/V are ~1/8 of the item's traffic. A backward item walks bwd_chunks chunks with dK/dV in
     registers and then writes one fp32 [l', Dk + Dv] partial: 32 chunks make that write ~3% of
     the item's traffic while block 0 (read by all T tokens) still splits into T / (32 BT) items.
     The backward holds two [l', D] accumulators: 8 warps once padded Dk + Dv >= 256.
@@ -52,7 +52,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     rows = 32 if dtype == torch.float32 or max(DKP, DVP) > 128 else 64
     BT = max(1, rows // GP)
-    return {"BT": BT, "fwd_chunks": 4, "bwd_chunks": 32, "fwd_warps": 4,
+    return {"BT": BT, "fwd_chunks": 8, "bwd_chunks": 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "num_stages": 2, "range_tokens": 0}
 
 

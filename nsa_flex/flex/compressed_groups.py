@@ -1,0 +1,84 @@
+"""The compressed branch as one plain causal attention call over token groups (cuDNN on CUDA).
+
+Compression block i is visible to token t once complete: i*d + l - 1 <= t. So the tokens
+t = l - 1 + I*d + j (0 <= j < d) of group I all see blocks 0..I, and Tc groups cover every token
+from l - 1 on. With the d tokens x G query heads of a group as d*G heads over one kv head, the
+branch is causal attention of Tc query positions over the Tc compressed keys, GQA ratio d*G: a
+shape dense attention kernels run at their full rate, with no mask function and no partial
+blocks. The folded rows t*G + g of one kv head are exactly that layout once the first (l-1)*G
+rows are set aside, so the query side is a view of a padded copy; batch and kv head become the
+batch of the call.
+
+On CUDA the call is cuDNN's fused attention (aten._scaled_dot_product_cudnn_attention: output
+and natural-log lse, autograd through cuDNN's backward); `causal_attention_lse` is the same
+call in plain torch, for other devices and the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nsa_flex.config import NSAConfig
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+"""(q [N, H, L, Dk], k [N, 1, L, Dk], v [N, 1, L, Dv], scale) -> (o [N, H, L, Dv], lse [N, H, L] natural log),
+causal (query position I sees keys 0..I)."""
+
+CUDNN_DTYPES = (torch.bfloat16, torch.float16)
+CUDNN_HEAD_DIMS = (64, 128)
+
+
+def cudnn_applies(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> bool:
+    """Whether cuDNN runs the grouped call for these inputs: CUDA, 16-bit, Dk = Dv in CUDNN_HEAD_DIMS.
+
+    Those are the shapes the GPU tests check; others (fp32, Dk = 192 / Dv = 128) keep the Flex call.
+    """
+    return (q.is_cuda and q.dtype in CUDNN_DTYPES and torch.backends.cudnn.is_available()
+            and q.shape[-1] == k_cmp.shape[-1] == v_cmp.shape[-1] and q.shape[-1] in CUDNN_HEAD_DIMS)
+
+
+def cudnn_attention_lse(q, k, v, scale: float):
+    """Attend by cuDNN (CUDA, 16-bit): causal, kv heads shared GQA-style, lse in natural log."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[:3])
+
+
+def causal_attention_lse(q, k, v, scale: float):
+    """Attend in plain torch (at least fp32): the same results as cudnn_attention_lse."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    L = q.shape[2]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ v.to(dtype)
+    return o.to(q.dtype), lse.float()
+
+
+def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, config: NSAConfig,
+                       scale: float, attend: Attend = causal_attention_lse):
+    """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hq, T] fp32, -inf where no block is complete).
+
+    q_fold [B, Hkv, T*G, Dk] (folded, see branches.fold), k_cmp / v_cmp [B, Tc, Hkv, D] with Tc >= 1.
+    """
+    B, Hkv, rows, Dk = q_fold.shape
+    Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
+    G, l, d = config.group_size, config.cmp_block, config.cmp_stride
+    T = rows // G
+    head = min(rows, (l - 1) * G)  # rows of the tokens before the first complete block: o = 0, lse = -inf
+    dG = d * G
+    # Group I holds folded rows head + I*d*G ... (I+1)*d*G - 1; the last group is padded.
+    x = F.pad(q_fold[:, :, head:], (0, 0, 0, Tc * dG - (rows - head)))
+    q4 = x.view(B, Hkv, Tc, dG, Dk).transpose(2, 3).reshape(B * Hkv, dG, Tc, Dk)
+    k4 = k_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dk)
+    v4 = v_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dv)
+    o4, lse4 = attend(q4, k4, v4, scale)
+    o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)[:, :, :rows - head]
+    o = torch.cat([o.new_zeros(B, Hkv, head, Dv), o], dim=2)
+    # lse4 [B*Hkv, d*G, Tc], head j*G + g of group I -> lse [B, Hkv*G, T] at token l - 1 + I*d + j.
+    lse = lse4.view(B, Hkv, d, G, Tc).permute(0, 1, 3, 4, 2).reshape(B, Hkv * G, Tc * d)[..., :T - head // G]
+    lse = torch.cat([lse.new_full((B, Hkv * G, head // G), float("-inf")), lse.float()], dim=-1)
+    return o, lse

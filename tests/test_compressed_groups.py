@@ -1,0 +1,74 @@
+"""The compressed branch as one causal call over token groups (flex.compressed_groups), on CPU.
+
+The grouped layout is checked in plain torch (cmp_impl="torch") against the reference's
+compressed branch in fp64: output, lse and the gradients of q, k_cmp, v_cmp, at lengths that
+leave the last group partial. cuDNN runs the same layout on CUDA (tests/test_flex_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_flex import NSAConfig
+from nsa_flex.flex import compressed_branch, fold
+from nsa_flex.flex.branches import compressed_impl
+from nsa_flex.flex.compressed_groups import causal_attention_lse, compressed_grouped
+from nsa_flex.flex.tuning import FlexTiles
+from naive import compressed_dense, random_inputs
+
+EPS = torch.finfo(torch.float64).eps
+
+
+@pytest.mark.parametrize("T,G,Hkv,B,l,d", [(32, 4, 1, 1, 32, 16), (300, 4, 2, 2, 32, 16), (77, 16, 1, 1, 32, 16),
+                                           (100, 2, 2, 1, 16, 8), (95, 3, 1, 2, 32, 32)],
+                         ids=["T=l", "T300-G4", "T77-G16", "l16-d8", "G3-l=d"])
+def test_grouped_call_equals_the_compressed_branch(T, G, Hkv, B, l, d):
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=32, head_dim_v=24, cmp_block=l, cmp_stride=d,
+                    window=64, n_selected=4, sel_block=32)
+    x = random_inputs(cfg, T, B=B, seed=5)
+    q, kc, vc = (x[n].clone().requires_grad_(True) for n in ("q", "k_cmp", "v_cmp"))
+    scale = 32 ** -0.5
+    o_fold, lse = compressed_branch(fold(q, Hkv), kc, vc, cfg, scale, FlexTiles(cmp_impl="torch"))
+    o_ref, lse_ref = compressed_dense(q, kc, vc, cfg, scale)
+    # Folded [B, Hkv, T*G, Dv] -> [B, Hq, T, Dv]
+    o = o_fold.view(B, Hkv, T, G, -1).transpose(2, 3).reshape(B, Hkv * G, T, -1)
+    assert (o - o_ref).abs().max() <= 100 * EPS
+    assert torch.equal(lse.isinf(), lse_ref.isinf())
+    finite = lse_ref.isfinite()
+    # lse is float32 whatever the inputs (as the Flex call's): its rounding is the bound.
+    assert lse.dtype == torch.float32
+    assert (lse[finite] - lse_ref[finite]).abs().max() <= 4 * torch.finfo(torch.float32).eps * lse_ref[finite].abs().max()
+    assert torch.equal(o[:, :, :l - 1], torch.zeros_like(o[:, :, :l - 1]))
+    do = torch.randn_like(o_ref)
+    grads = torch.autograd.grad(o, (q, kc, vc), do)
+    grads_ref = torch.autograd.grad(o_ref, (q, kc, vc), do)
+    for name, a, b in zip(("dq", "dk_cmp", "dv_cmp"), grads, grads_ref):
+        assert (a - b).abs().max() <= 1e3 * EPS, name
+
+
+def test_grouped_layout_mutation_is_caught():
+    """Groups shifted by one stride (a wrong first visible token) change o: the test above can fail."""
+    cfg = NSAConfig(n_heads=4, n_kv_heads=1, head_dim=32, head_dim_v=24, window=64, n_selected=4, sel_block=32)
+    x = random_inputs(cfg, 200, seed=2)
+    scale = 32 ** -0.5
+    wrong = cfg.replace(cmp_block=cfg.cmp_block + cfg.cmp_stride)
+    with torch.no_grad():
+        o, _ = compressed_grouped(fold(x["q"], 1), x["k_cmp"], x["v_cmp"], cfg, scale, causal_attention_lse)
+        o_bad, _ = compressed_grouped(fold(x["q"], 1), x["k_cmp"], x["v_cmp"], wrong, scale, causal_attention_lse)
+    assert (o - o_bad).abs().max() > 1e-3
+
+
+def test_cmp_impl_choice_and_its_errors():
+    cfg = NSAConfig(n_heads=4, n_kv_heads=1, head_dim=32, head_dim_v=24, window=64, n_selected=4, sel_block=32)
+    x = random_inputs(cfg, 100, dtype=torch.bfloat16, seed=1)
+    q_fold = fold(x["q"], 1)
+    # On CPU, or with Dk != Dv, None takes Flex; documents always take Flex.
+    assert compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], FlexTiles()) == "flex"
+    assert compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], FlexTiles(cmp_impl="torch")) == "torch"
+    with pytest.raises(ValueError, match="cmp_impl='cudnn' needs CUDA tensors"):
+        compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], FlexTiles(cmp_impl="cudnn"))
+    with pytest.raises(ValueError, match="packed documents"):
+        compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], FlexTiles(cmp_impl="torch"), docs=object())
+    with pytest.raises(ValueError, match="cmp_impl='grouped'.*allowed None"):
+        FlexTiles(cmp_impl="grouped")
