@@ -5,7 +5,8 @@
 Per length T, bf16, B=1, random inputs (selections from the op's own selection step):
 - the whole op compiled with fullgraph=True (as `nsa-flex bench attention` runs it), fwd and
   fwd+bwd, and dense causal cuDNN in the same run;
-- each step of the op alone (compiled alone where the op compiles it), fwd and fwd+bwd, with a
+- each step of the op alone (the Flex / cuDNN branches, the copies and the gated sum compiled
+  alone with fullgraph=True, the two Triton ops as they are), fwd and fwd+bwd, with a
   floor: its attention flops at the rate dense cuDNN reached in this run, or, for the copies and
   the gated sum, its bytes at HBM_GBPS;
 - one torch.profiler pass over three fwd+bwd calls of the whole op: GPU time per kernel family
@@ -117,15 +118,16 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     out = {
         # The op also folds o_sel [B, T, Hq, Dv] for the gated sum: the same copy when Dv = Dk.
         "fold q": (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
-        "compressed branch": (lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale,
-                                                                 tiles)[0], [q_fold, leaf["k_cmp"], leaf["v_cmp"]],
-                              "cmp"),
+        "compressed branch": (compile_(lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg,
+                                                                          scale, tiles)[0]),
+                              [q_fold, leaf["k_cmp"], leaf["v_cmp"]], "cmp"),
         "selection op": (lambda: select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale), [], "scores"),
     }
     if branches.compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], tiles) != "flex":
         flex_tiles = FlexTiles(cmp_impl="flex")
         out["compressed branch (flex, not run by the op)"] = (
-            lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale, flex_tiles)[0],
+            compile_(lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale,
+                                                        flex_tiles)[0]),
             [q_fold, leaf["k_cmp"], leaf["v_cmp"]], "cmp")
     if block:
         out["selected branch (block op)"] = (
@@ -135,7 +137,7 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
         out["selected branch (flex)"] = (
             lambda: branches.selected_branch(q_fold, leaf["k"], leaf["v"], sel, cfg, scale, tiles, None, True),
             [q_fold, leaf["k"], leaf["v"]], "sel")
-    out["window branch"] = (lambda: branches.window_branch(q_fold, leaf["k"], leaf["v"], cfg, scale, tiles),
+    out["window branch"] = (compile_(lambda: branches.window_branch(q_fold, leaf["k"], leaf["v"], cfg, scale, tiles)),
                             [q_fold, leaf["k"], leaf["v"]], "win")
     combine = branches.combine_for(x["q"])
     out["gated sum"] = (lambda: combine(*o_fold, leaf["gates"], T), [*o_fold, leaf["gates"]], "sum")

@@ -31,17 +31,27 @@ CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 CUDNN_HEAD_DIMS = (64, 128)
 
 
+# Read once at import: torch.compile cannot trace the query (it returns a bool, not a tensor).
+_HAS_CUDNN = torch.backends.cudnn.is_available()
+
+
 def cudnn_applies(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> bool:
     """Whether cuDNN runs the grouped call for these inputs: CUDA, 16-bit, Dk = Dv in CUDNN_HEAD_DIMS.
 
     Those are the shapes the GPU tests check; others (fp32, Dk = 192 / Dv = 128) keep the Flex call.
     """
-    return (q.is_cuda and q.dtype in CUDNN_DTYPES and torch.backends.cudnn.is_available()
+    return (_HAS_CUDNN and q.is_cuda and q.dtype in CUDNN_DTYPES
             and q.shape[-1] == k_cmp.shape[-1] == v_cmp.shape[-1] and q.shape[-1] in CUDNN_HEAD_DIMS)
 
 
 def cudnn_attention_lse(q, k, v, scale: float):
-    """Attend by cuDNN (CUDA, 16-bit): causal, kv heads shared GQA-style, lse in natural log."""
+    """Attend by cuDNN (CUDA, 16-bit): causal, kv heads shared GQA-style, lse in natural log.
+
+    One compressed token (Tc = 1, T < l + d) runs causal_attention_lse: cuDNN rejects
+    s_q = s_kv = 1.
+    """
+    if q.shape[2] == 1:
+        return causal_attention_lse(q, k, v, scale)
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
     return out[0], out[1].reshape(q.shape[:3])
 
