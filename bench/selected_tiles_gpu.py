@@ -27,7 +27,9 @@ VARIANTS = {
     "fwd_warps8": {"fwd_warps": 8},
     "bwd_chunks16": {"bwd_chunks": 16},
     "bwd_chunks64": {"bwd_chunks": 64},
-    "stages3": {"num_stages": 3},
+    "bwd_stages2": {"bwd_stages": 2},
+    "bwd_stages3": {"bwd_stages": 3},
+    "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
 }
 """range_tokens < 0: -k times the default range (the op's memory rule), for the partials' size against speed."""
@@ -48,8 +50,8 @@ def main() -> None:
         for name, tiles in VARIANTS.items():
             tiles = dict(tiles)
             if tiles.get("range_tokens", 0) < 0:
-                tiles["range_tokens"] = -tiles["range_tokens"] * launch.range_tokens(B, T, Hq, cfg.n_selected, D,
-                                                                                     q.dtype)
+                tiles["range_tokens"] = int(-tiles["range_tokens"] * launch.range_tokens(B, T, Hq, cfg.n_selected, D,
+                                                                                         q.dtype))
             try:
                 o, lse = launch.forward(q, k, v, bi, None, scale, L, tiles)
                 grads = launch.backward(do, q, k, v, o, lse, bi, None, scale, L, tiles)

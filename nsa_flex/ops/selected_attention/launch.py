@@ -18,11 +18,13 @@ from nsa_flex.ops.triton_utils import next_pow2
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
-TILE_KEYS = ("BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "num_stages", "range_tokens")
+TILE_KEYS = ("BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages", "range_tokens")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
-PARTIAL_BYTES = 1 << 29
+# At T=64k, G=4 (H100) 1 GiB ranges (16k tokens) took 7.26 / 14.59 ms forward / backward against
+# 7.78 / 16.28 with 512 MiB: fuller work items, fewer index builds (docs/decisions.md).
+PARTIAL_BYTES = 1 << 30
 
 
 def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int]:
@@ -35,8 +37,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
 
     A forward item walks fwd_chunks chunks with one load of K/V (K/V bytes per token shrink by
     BT * fwd_chunks against the token-centric loop). Each chunk moves its M query rows in and M
-    partial rows out, so at 8 chunks the block's K/V are ~1/8 of the item's traffic. A backward item walks bwd_chunks chunks with dK/dV in
-    registers and then writes one fp32 [l', Dk + Dv] partial: 32 chunks make that write ~3% of
+    partial rows out, so at 8 chunks the block's K/V are ~1/8 of the item's traffic. A backward
+    item walks bwd_chunks chunks with dK/dV in registers and then writes one fp32 [l', Dk + Dv]
+    partial: 32 chunks make that write ~3% of
     the item's traffic while block 0 (read by all T tokens) still splits into T / (32 BT) items.
     The backward holds two [l', D] accumulators: 8 warps once padded Dk + Dv >= 256.
 
@@ -46,14 +49,18 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     132 KB; at 192/128 (M = 32) 244 registers, 123 KB. fp32 (IEEE FMA dots, M = 32) spills but
     stays within shared memory (164 KB for the backward at 192/128).
 
+    The backward pipelines 3 stages for 16-bit inputs with padded head dims <= 128 (15.65 against
+    16.28 ms at T=64k, G=4, D=128 on an H100); wider tiles keep 2, within shared memory.
+
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
-    rows = 32 if dtype == torch.float32 or max(DKP, DVP) > 128 else 64
-    BT = max(1, rows // GP)
+    narrow = dtype != torch.float32 and max(DKP, DVP) <= 128
+    BT = max(1, (64 if narrow else 32) // GP)
     return {"BT": BT, "fwd_chunks": 8, "bwd_chunks": 32, "fwd_warps": 4,
-            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "num_stages": 2, "range_tokens": 0}
+            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 2, "bwd_stages": 3 if narrow else 2,
+            "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -143,7 +150,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
                 index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
-                num_warps=cfg["fwd_warps"], num_stages=cfg["num_stages"])
+                num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
@@ -179,7 +186,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
                 index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
                 *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
-                num_warps=cfg["bwd_warps"], num_stages=cfg["num_stages"])
+                num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
         last = i == len(ranges) - 1
         # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
         dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
