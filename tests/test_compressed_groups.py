@@ -72,3 +72,20 @@ def test_cmp_impl_choice_and_its_errors():
         compressed_impl(q_fold, x["k_cmp"], x["v_cmp"], FlexTiles(cmp_impl="torch"), docs=object())
     with pytest.raises(ValueError, match="cmp_impl='grouped'.*allowed None"):
         FlexTiles(cmp_impl="grouped")
+
+
+@pytest.mark.parametrize("T,G,Hkv,B", [(300, 4, 2, 2), (77, 16, 1, 1), (40, 2, 1, 1)], ids=["T300-G4", "T77-G16", "T40"])
+def test_whole_op_with_grouped_call_equals_the_reference(T, G, Hkv, B):
+    """nsa_flex with cmp_impl="torch" (the grouped call in plain torch): output and selection equal the
+    reference's in fp64."""
+    from nsa_flex.flex import nsa_flex
+    from nsa_flex.reference import nsa_reference
+
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=32, head_dim_v=24, window=64, n_selected=4,
+                    sel_block=32)
+    x = random_inputs(cfg, T, B=B, seed=11)
+    o_ref, sel_ref = nsa_reference(**x, config=cfg)
+    with torch.no_grad():
+        o, sel = nsa_flex(**x, config=cfg, tiles=FlexTiles(cmp_impl="torch"))
+    assert torch.equal(sel.long(), sel_ref.long())
+    assert (o - o_ref).abs().max() <= 100 * EPS
