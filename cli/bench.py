@@ -271,3 +271,31 @@ def selected(
     out_dir.mkdir(parents=True, exist_ok=True)
     run(list(parse_ints(seq_lens, "--seq-lens")), names, out_dir / f"{stem}.json", git_commit)
     typer.echo(f"wrote json: {out_dir / f'{stem}.json'}")
+
+
+@app.command()
+def breakdown(
+    seq_lens: str = typer.Option("16k,64k", "--seq-lens", "-T", help="Sequence lengths, comma-separated, k = 1024."),
+    preset: str = typer.Option("g4", help="NSAConfig preset of the op's shapes: g4, bench, paper, tiny."),
+    out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON."),
+    name: Optional[str] = typer.Option(None, help="File stem (default <date>_cuda_breakdown)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=(
+        "Replace an earlier result of the same --name (refused otherwise; without --name a new stem is picked)")),
+    git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+) -> None:
+    """Where the op's time goes (CUDA): each step alone against its floor, and the whole op's kernels by family."""
+    import torch
+
+    from nsa_flex.bench import default_stem
+    from nsa_flex.bench.breakdown import run
+    from nsa_flex.config import PRESETS
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}", param_hint="--preset")
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("needs a CUDA device: it times the op's GPU kernels and profiles them",
+                                 param_hint="device")
+    stem = free_stem(out_dir, name, default_stem("breakdown", "cuda"), overwrite)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run(preset, list(parse_ints(seq_lens, "--seq-lens")), out_dir / f"{stem}.json", git_commit)
+    typer.echo(f"wrote json: {out_dir / f'{stem}.json'}")
