@@ -1,7 +1,8 @@
 """The FlexAttention path: the three branches as Flex calls, their BlockMasks, and the tiles.
 
 `branches` runs the op (compressed call with lse -> selection op -> selected call -> window
-call -> gated sum), `masks/` builds one BlockMask per pattern, `blockmask` emits BlockMask
+call -> gated sum), `compressed_groups` the compressed branch as one causal cuDNN call over
+token groups (CUDA, 16-bit), `masks/` builds one BlockMask per pattern, `blockmask` emits BlockMask
 index lists without a dense [Q, KV] grid, `tuning` holds the tile sizes and
 `inductor_choices` the process-global Inductor settings the selected branch's backward needs.
 """

@@ -1,6 +1,7 @@
 """NSA through FlexAttention: nsa_attention(..., impl="flex").
 
-compressed Flex call (with lse) -> selection op -> selected branch -> window Flex call -> gated
+compressed call (with lse: one causal cuDNN call over token groups where it applies, see
+compressed_groups, else a Flex call) -> selection op -> selected branch -> window Flex call -> gated
 sum. The selected branch is the block-centric op nsa_flex::selected_attention or a Flex call
 over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. All three calls use the folded GQA layout, q [B, T, Hq, D] ->
 [B, Hkv, T*G, D] (row t*G + g = query head h*G + g at token t), so none goes through
