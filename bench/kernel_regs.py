@@ -3,6 +3,7 @@ on a machine without a GPU (Triton ships ptxas): no device time spent to learn w
 kernel change compiles, or what it does to the occupancy that decides kernel A at B=8.
 
     python -m bench.kernel_regs --cases 1:65536 8:65536 [--tiles ST=0] [--trace]
+    python -m bench.kernel_regs --selected 4:128:128:bf16 16:192:128:fp32     (the selected op's kernels)
 
 The step is nsa_flex::step_attend's: cache_step's kernel, then A, B, S and D of nsa_flex.ops.decode.kernels,
 launched as on an H100/H200 (PDL on, bf16 tensor-core dots; the inputs live on the CPU only so
@@ -115,15 +116,48 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
     return comp.rows
 
 
+def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dict]:
+    """The rows of the selected op's backward launches (launch.backward at its default tiles) for
+    group G, head dims Dk / Dv and dtype, on a small CPU problem (the kernels' tiles do not depend on T)."""
+    from nsa_flex.bench.selected import random_selection
+    from nsa_flex.config import NSAConfig
+
+    launch = importlib.import_module("nsa_flex.ops.selected_attention.launch")
+    Hkv, T = 2, 512
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv)
+    q, do, o = (torch.randn(1, T, G * Hkv, d, dtype=dtype) for d in (Dk, Dv, Dv))
+    k, v = torch.randn(1, T, Hkv, Dk, dtype=dtype), torch.randn(1, T, Hkv, Dv, dtype=dtype)
+    comp = _Compiler()
+    saved, launch.wrap_triton = launch.wrap_triton, comp
+    try:
+        launch.backward(do, q, k, v, o, torch.zeros(1, G * Hkv, T), random_selection(1, Hkv, T, cfg, "cpu"), None,
+                        Dk ** -0.5, cfg.sel_block)
+    finally:
+        launch.wrap_triton = saved
+    return comp.rows
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["1:65536", "8:65536"], help="B:T pairs")
     p.add_argument("--tiles", nargs="*", default=[], help="launch_config overrides, KEY=INT")
     p.add_argument("--trace", action="store_true", help="compile the timeline-stamping variants (TRACE)")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--selected", nargs="*", default=[], help="G:Dk:Dv:dtype of the selected op's backward instead")
     args = p.parse_args()
     tiles = {k: int(v) for k, v in (t.split("=") for t in args.tiles)}
     out = []
+    for case in args.selected:
+        G, Dk, Dv, dt = case.split(":")
+        for row in selected_resources(int(G), int(Dk), int(Dv), DTYPES[dt]):
+            out.append({"case": case, **row})
+            print(f"{case} {row['kernel']:>18} warps={row['num_warps']} regs={row['registers']} "
+                  f"spills={row['spill_stores']}/{row['spill_loads']} smem={row['shared_bytes']}", flush=True)
+    if args.selected:
+        args.cases = []
     for case in args.cases:
         B, T = (int(x) for x in case.split(":"))
         for row in step_resources(B, T, tiles, args.trace):
