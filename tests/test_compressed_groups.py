@@ -76,8 +76,8 @@ def test_cmp_impl_choice_and_its_errors():
 
 @pytest.mark.parametrize("T,G,Hkv,B", [(300, 4, 2, 2), (77, 16, 1, 1), (40, 2, 1, 1)], ids=["T300-G4", "T77-G16", "T40"])
 def test_whole_op_with_grouped_call_equals_the_reference(T, G, Hkv, B):
-    """nsa_flex with cmp_impl="torch" (the grouped call in plain torch): output and selection equal the
-    reference's in fp64."""
+    """nsa_flex with cmp_impl="torch": the folded queries and the grouped call's rows share one
+    tensor (q_room); output and selection equal the reference's in fp64."""
     from nsa_flex.flex import nsa_flex
     from nsa_flex.reference import nsa_reference
 
@@ -89,3 +89,11 @@ def test_whole_op_with_grouped_call_equals_the_reference(T, G, Hkv, B):
         o, sel = nsa_flex(**x, config=cfg, tiles=FlexTiles(cmp_impl="torch"))
     assert torch.equal(sel.long(), sel_ref.long())
     assert (o - o_ref).abs().max() <= 100 * EPS
+
+
+def test_q_room_too_short_is_refused():
+    cfg = NSAConfig(n_heads=4, n_kv_heads=1, head_dim=32, head_dim_v=24, window=64, n_selected=4, sel_block=32)
+    x = random_inputs(cfg, 100, seed=1)
+    q_fold = fold(x["q"], 1)
+    with pytest.raises(ValueError, match="q_room .* must be"):
+        compressed_grouped(q_fold, x["k_cmp"], x["v_cmp"], cfg, 32 ** -0.5, causal_attention_lse, q_room=q_fold)

@@ -131,8 +131,15 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     if cu_seqlens is not None:
         cu_cmp = compressed_seqlens(cu_seqlens, config)
         docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1])
-    q_fold = fold(q, Hkv)
-    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs)
+    q_fold = q_room = None
+    if k_cmp.shape[1] > 0 and compressed_impl(q, k_cmp, v_cmp, tiles, docs) != "flex":
+        # The grouped compressed call reads a few rows past the folded queries: one tensor holds both.
+        G = q.shape[2] // Hkv
+        q_room = fold(q, Hkv, rows=compressed_groups.grouped_rows(T * G, config, k_cmp.shape[1]))
+        q_fold = q_room[:, :, :T * G]
+    else:
+        q_fold = fold(q, Hkv)
+    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
     if block_indices is None:
@@ -174,10 +181,14 @@ def gated_sum(o_cmp, o_sel, o_win, gates, T: int) -> torch.Tensor:
 _COMPILED_SUM = torch.compile(gated_sum, dynamic=False)
 
 
-def fold(x_bthd: torch.Tensor, Hkv: int) -> torch.Tensor:
-    """[B, T, Hq, D] -> [B, Hkv, T*G, D]: row t*G + g of kv head h is query head h*G + g at token t."""
+def fold(x_bthd: torch.Tensor, Hkv: int, rows: int | None = None) -> torch.Tensor:
+    """[B, T, Hq, D] -> [B, Hkv, T*G, D]: row t*G + g of kv head h is query head h*G + g at token t.
+
+    rows > T*G: that many rows per kv head, zeros past T*G.
+    """
     B, T, Hq, D = x_bthd.shape
-    return x_bthd.view(B, T, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(B, Hkv, T * (Hq // Hkv), D)
+    out = x_bthd.view(B, T, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(B, Hkv, T * (Hq // Hkv), D)
+    return out if rows is None or rows <= out.shape[2] else torch.nn.functional.pad(out, (0, 0, 0, rows - out.shape[2]))
 
 
 def unfold(x_bhrd: torch.Tensor, T: int) -> torch.Tensor:
@@ -202,7 +213,9 @@ def repeat_heads(kv_bhtd: torch.Tensor, chunks: int) -> torch.Tensor:
 
 
 def compressed_impl(q_fold, k_cmp, v_cmp, tiles: FlexTiles, docs: Documents | None = None) -> str:
-    """The compressed branch's implementation: tiles.cmp_impl, or cudnn where it applies, else flex."""
+    """The compressed branch's implementation: tiles.cmp_impl, or cudnn where it applies, else flex.
+
+    q_fold: the queries, folded or not (only their device, dtype and head dim are read)."""
     applies = compressed_groups.cudnn_applies(q_fold, k_cmp, v_cmp)
     match tiles.cmp_impl:
         case None:
@@ -219,13 +232,14 @@ def compressed_impl(q_fold, k_cmp, v_cmp, tiles: FlexTiles, docs: Documents | No
 
 
 def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles,
-                      docs: Documents | None = None):
+                      docs: Documents | None = None, q_room=None):
     """(o [B,Hkv,T*G,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete).
 
     compressed_impl picks the call. The grouped one (cudnn / torch) is plain causal attention over
     token groups (flex.compressed_groups). The Flex one takes the folded rows as up to
     tiles.max_chunks row chunks (extra heads, see ops.blockmask.query_chunks): the branch has
-    few kv blocks, and its backward runs one dK/dV program per (head, kv block).
+    few kv blocks, and its backward runs one dK/dV program per (head, kv block). q_room: see
+    compressed_groups.compressed_grouped (the grouped call only).
     """
     B, Hkv, rows, _ = q_fold.shape
     Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
@@ -238,7 +252,7 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
     impl = compressed_impl(q_fold, k_cmp, v_cmp, tiles, docs)
     if impl != "flex":
         attend = compressed_groups.cudnn_attention_lse if impl == "cudnn" else compressed_groups.causal_attention_lse
-        return compressed_groups.compressed_grouped(q_fold, k_cmp, v_cmp, config, scale, attend)
+        return compressed_groups.compressed_grouped(q_fold, k_cmp, v_cmp, config, scale, attend, q_room)
     S = query_chunks(rows, tiles.cmp_block[0], tiles.max_chunks, tiles.min_chunk_rows)
     mask = shape_mask(compressed_block_mask, T, Tc, config, q_fold.device, tiles.cmp_block, G, docs=docs, chunks=S,
                       heads=Hkv)

@@ -68,11 +68,21 @@ def causal_attention_lse(q, k, v, scale: float):
     return o.to(q.dtype), lse.float()
 
 
+def grouped_rows(rows: int, config: NSAConfig, Tc: int) -> int:
+    """Folded query rows the grouped call reads: the (l-1)*G rows before the first group, then Tc
+    groups of d*G rows, the last one padded past the `rows` real ones."""
+    G = config.group_size
+    return max(rows, min(rows, (config.cmp_block - 1) * G) + Tc * config.cmp_stride * G)
+
+
 def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, config: NSAConfig,
-                       scale: float, attend: Attend = causal_attention_lse):
+                       scale: float, attend: Attend = causal_attention_lse, q_room: torch.Tensor | None = None):
     """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hq, T] fp32, -inf where no block is complete).
 
     q_fold [B, Hkv, T*G, Dk] (folded, see branches.fold), k_cmp / v_cmp [B, Tc, Hkv, D] with Tc >= 1.
+    q_room: the folded queries with grouped_rows(...) rows (q_fold is its first T*G rows, the rest
+    ignored). The call's queries are then a view of it, so the copy the backward keeps is the one
+    the other branches keep anyway; without it the rows are padded into a new tensor here.
     """
     B, Hkv, rows, Dk = q_fold.shape
     Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
@@ -80,14 +90,20 @@ def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
     T = rows // G
     head = min(rows, (l - 1) * G)  # rows of the tokens before the first complete block: o = 0, lse = -inf
     dG = d * G
-    # Group I holds folded rows head + I*d*G ... (I+1)*d*G - 1; the last group is padded.
-    x = F.pad(q_fold[:, :, head:], (0, 0, 0, Tc * dG - (rows - head)))
+    need = grouped_rows(rows, config, Tc)
+    if q_room is None:
+        q_room = F.pad(q_fold, (0, 0, 0, need - rows))
+    elif q_room.shape[2] < need or q_room.shape[:2] != q_fold.shape[:2]:
+        raise ValueError(f"q_room {tuple(q_room.shape)} must be [{B}, {Hkv}, >= {need}, {Dk}] (grouped_rows)")
+    # Group I holds folded rows head + I*d*G ... (I+1)*d*G - 1.
+    x = q_room[:, :, head:head + Tc * dG]
     q4 = x.view(B, Hkv, Tc, dG, Dk).transpose(2, 3).reshape(B * Hkv, dG, Tc, Dk)
     k4 = k_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dk)
     v4 = v_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dv)
     o4, lse4 = attend(q4, k4, v4, scale)
     o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)[:, :, :rows - head]
-    o = torch.cat([o.new_zeros(B, Hkv, head, Dv), o], dim=2)
+    # Zero rows in front as a pad, which a compiled consumer reads through (no copy of o).
+    o = F.pad(o, (0, 0, head, 0))
     # lse4 [B*Hkv, d*G, Tc], head j*G + g of group I -> lse [B, Hkv*G, T] at token l - 1 + I*d + j.
     lse = lse4.view(B, Hkv, d, G, Tc).permute(0, 1, 3, 4, 2).reshape(B, Hkv * G, Tc * d)[..., :T - head // G]
     lse = torch.cat([lse.new_full((B, Hkv * G, head // G), float("-inf")), lse.float()], dim=-1)
