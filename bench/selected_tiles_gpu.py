@@ -31,13 +31,22 @@ VARIANTS = {
     "bwd_stages3": {"bwd_stages": 3},
     "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
+    "bwd_warps4": {"bwd_warps": 4},
+    "BT8": {"BT": 8},
+    "BT32": {"BT": 32},
+    "BT32_fwd_warps8": {"BT": 32, "fwd_warps": 8},
+    "fwd_stages3": {"fwd_stages": 3},
 }
 """range_tokens < 0: -k times the default range (the op's memory rule), for the partials' size against speed."""
 
 
 def main() -> None:
-    args = shape_script_parser(__doc__, ["1:16384:16:4:128", "1:65536:16:4:128"]).parse_args()
-    rows, add = row_recorder(args.out, {**header(args.commit), "variants": VARIANTS})
+    parser = shape_script_parser(__doc__, ["1:16384:16:4:128", "1:65536:16:4:128"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="variants to time (default: all); 'default' always runs first")
+    args = parser.parse_args()
+    variants = {"default": {}, **{name: VARIANTS[name] for name in args.variants}}
+    rows, add = row_recorder(args.out, {**header(args.commit), "variants": variants})
     for shape in args.shapes:
         B, T, Hq, Hkv, D = parse_shape(shape)
         cfg = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
@@ -47,7 +56,7 @@ def main() -> None:
         bi = random_selection(B, Hkv, T, cfg, "cuda")
         scale, L = D ** -0.5, cfg.sel_block
         base = None
-        for name, tiles in VARIANTS.items():
+        for name, tiles in variants.items():
             tiles = dict(tiles)
             if tiles.get("range_tokens", 0) < 0:
                 tiles["range_tokens"] = int(-tiles["range_tokens"] * launch.range_tokens(B, T, Hq, cfg.n_selected, D,
