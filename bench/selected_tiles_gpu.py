@@ -19,23 +19,27 @@ from nsa_flex.config import NSAConfig
 from nsa_flex.ops.selected_attention import launch
 
 VARIANTS = {
-    "default": {},
-    "fwd_chunks2": {"fwd_chunks": 2},
     "fwd_chunks4": {"fwd_chunks": 4},
-    "fwd_chunks8": {"fwd_chunks": 8},
     "fwd_chunks16": {"fwd_chunks": 16},
     "fwd_warps8": {"fwd_warps": 8},
+    "fwd_stages3": {"fwd_stages": 3},
+    "fwd_stages4": {"fwd_stages": 4},
+    "fwd_stages3_reg168": {"fwd_stages": 3, "fwd_maxnreg": 168},
+    "fwd_stages3_reg128": {"fwd_stages": 3, "fwd_maxnreg": 128},
+    "fwd_reg168": {"fwd_maxnreg": 168},
+    "fwd_BT32_stages3": {"fwd_BT": 32, "fwd_stages": 3},
+    "fwd_BT32_stages3_warps8": {"fwd_BT": 32, "fwd_stages": 3, "fwd_warps": 8},
+    "fwd_stages3_chunks16": {"fwd_stages": 3, "fwd_chunks": 16},
     "bwd_chunks16": {"bwd_chunks": 16},
     "bwd_chunks64": {"bwd_chunks": 64},
     "bwd_stages2": {"bwd_stages": 2},
-    "bwd_stages3": {"bwd_stages": 3},
+    "bwd_warps4": {"bwd_warps": 4},
+    "bwd_BT8": {"bwd_BT": 8},
+    "bwd_BT32": {"bwd_BT": 32},
+    "bwd_BT32_stages2": {"bwd_BT": 32, "bwd_stages": 2},
+    "bwd_BT32_chunks16": {"bwd_BT": 32, "bwd_chunks": 16},
     "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
-    "bwd_warps4": {"bwd_warps": 4},
-    "BT8": {"BT": 8},
-    "BT32": {"BT": 32},
-    "BT32_fwd_warps8": {"BT": 32, "fwd_warps": 8},
-    "fwd_stages3": {"fwd_stages": 3},
 }
 """range_tokens < 0: -k times the default range (the op's memory rule), for the partials' size against speed."""
 

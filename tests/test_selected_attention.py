@@ -302,7 +302,7 @@ def test_kernels_interpreted_one_block_for_all(poisoned):
     bi = torch.full((1, 2, T, 3), -1)
     bi[..., 0] = 0
     bi[:, :, 50:60] = -1
-    got = run_kernels(q, k, v, do, bi, cfg, tiles=dict(BT=4, fwd_chunks=2, bwd_chunks=3))
+    got = run_kernels(q, k, v, do, bi, cfg, tiles=dict(fwd_BT=4, bwd_BT=2, fwd_chunks=2, bwd_chunks=3))
     check(got, q, k, v, do, bi, cfg)
     assert (got[0][:, 50:60] == 0).all() and (got[1][:, 50:60] == 0).all()
 

@@ -18,7 +18,8 @@ from nsa_flex.ops.triton_utils import next_pow2
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
-TILE_KEYS = ("BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages", "range_tokens")
+TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -58,9 +59,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     narrow = dtype != torch.float32 and max(DKP, DVP) <= 128
     BT = max(1, (64 if narrow else 32) // GP)
-    return {"BT": BT, "fwd_chunks": 8, "bwd_chunks": 32, "fwd_warps": 4,
+    return {"fwd_BT": BT, "bwd_BT": BT, "fwd_chunks": 8, "bwd_chunks": 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 2, "bwd_stages": 3 if narrow else 2,
-            "range_tokens": 0}
+            "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -90,7 +91,7 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     # Index of one range: entries and block ids (int32), the sort's int64 keys and order.
     index = 24 * B * Hkv * R * n
     forward = B * R * Hq * n * (part * Dv + 4)
-    span = cfg["BT"] * cfg["bwd_chunks"]
+    span = cfg["bwd_BT"] * cfg["bwd_chunks"]
     items = B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
@@ -107,6 +108,14 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
         raise ValueError(f"unknown selected_attention tile keys {unknown}; allowed: {', '.join(TILE_KEYS)}")
     G = q.shape[2] // k.shape[2]
     return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype), **tiles}
+
+
+def _launch(cfg: dict, pass_: str) -> dict:
+    """Triton launch options of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
+    out = {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"]}
+    if cfg[f"{pass_}_maxnreg"]:
+        out["maxnreg"] = cfg[f"{pass_}_maxnreg"]
+    return out
 
 
 def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int) -> dict:
@@ -135,13 +144,13 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     B, T, Hq, _ = q.shape
     Hkv, n, Dv = k.shape[2], block_indices.shape[-1], v.shape[-1]
     cfg = _tiles(q, k, v, tiles)
-    consts = _constexprs(q, k, v, sel_block, n, cfg["BT"])
+    consts = _constexprs(q, k, v, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
-                                       cfg["BT"] * cfg["fwd_chunks"], t0, T)
+                                       cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -150,7 +159,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
                 index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
-                num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+                **_launch(cfg, "fwd"))
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
@@ -161,7 +170,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     B, T, Hq, Dk = q.shape
     Hkv, n = k.shape[2], block_indices.shape[-1]
     cfg = _tiles(q, k, v, tiles)
-    consts = _constexprs(q, k, v, sel_block, n, cfg["BT"])
+    consts = _constexprs(q, k, v, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do = do.contiguous()
     # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset);
@@ -175,7 +184,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
     for i, (t0, t1) in enumerate(ranges):
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
-                                       cfg["BT"] * cfg["bwd_chunks"], t0, T)
+                                       cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
         delta[:, :, t0:t1] = (do[:, t0:t1].float() * o[:, t0:t1].float()).sum(-1).transpose(1, 2)
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
@@ -186,7 +195,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
                 index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
                 *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
-                num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])
+                **_launch(cfg, "bwd"))
         last = i == len(ranges) - 1
         # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
         dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
