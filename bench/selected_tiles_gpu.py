@@ -38,6 +38,11 @@ VARIANTS = {
     "bwd_BT32": {"bwd_BT": 32},
     "bwd_BT32_stages2": {"bwd_BT": 32, "bwd_stages": 2},
     "bwd_BT32_chunks16": {"bwd_BT": 32, "bwd_chunks": 16},
+    "bwd_M64": {"bwd_BT": 16, "bwd_chunks": 32},
+    "bwd_M128": {"bwd_BT": 32, "bwd_chunks": 16},
+    "bwd_M128_warps4": {"bwd_BT": 32, "bwd_chunks": 16, "bwd_warps": 4},
+    "bwd_M128_warps8": {"bwd_BT": 32, "bwd_chunks": 16, "bwd_warps": 8},
+    "fwd_stages2": {"fwd_stages": 2},
     "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
 }

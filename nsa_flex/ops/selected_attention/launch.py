@@ -53,14 +53,23 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     The backward pipelines 3 stages for 16-bit inputs with padded head dims <= 128 (15.65 against
     16.28 ms at T=64k, G=4, D=128 on an H100); wider tiles keep 2, within shared memory.
 
+    Both kernels are latency-bound (profiled at T=16k, G=4, D=128: one or two programs per SM,
+    0.8-1.2 TB/s), so deeper pipelines and bigger chunks pay where they fit. At 16-bit with
+    Dk = Dv = 128 the backward takes M = 128 rows per chunk (16 chunks per item, the same 512-token
+    span) and the forward 4 stages: at T=16k / 64k, G=4 on an H200 the backward took 2.37 / 10.26 ms
+    against 2.97 / 12.63 with M = 64, the forward 1.43 / 6.00 against 1.51 / 6.69 with 2 stages
+    (docs/decisions.md).
+
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     narrow = dtype != torch.float32 and max(DKP, DVP) <= 128
     BT = max(1, (64 if narrow else 32) // GP)
-    return {"fwd_BT": BT, "bwd_BT": BT, "fwd_chunks": 8, "bwd_chunks": 32, "fwd_warps": 4,
-            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 2, "bwd_stages": 3 if narrow else 2,
+    wide_rows = narrow and DKP + DVP == 256  # 16-bit, Dk = Dv = 128: measured (launch sweep)
+    return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
+            "bwd_chunks": 16 if wide_rows else 32, "fwd_warps": 4, "bwd_warps": 8 if DKP + DVP >= 256 else 4,
+            "fwd_stages": 4 if wide_rows else 2, "bwd_stages": 3 if narrow else 2,
             "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0}
 
 
