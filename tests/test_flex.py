@@ -93,7 +93,7 @@ def test_both_selected_branches_match_reference(T, G, Hkv, Dk, Dv, B, dtype, sel
     assert err <= oracle_tolerance(x, cfg, sel, o_oracle), err
 
 
-@pytest.mark.parametrize("G,expected", [(1, "block"), (4, "block"), (8, "block"), (16, "flex")])
+@pytest.mark.parametrize("G,expected", [(1, "block"), (4, "block"), (8, "block"), (16, "block")])
 def test_selected_impl_by_group(G, expected):
     assert FlexTiles().selected_impl(4096, G) == expected
     assert FlexTiles(sel_impl="flex").selected_impl(4096, G) == "flex"
@@ -348,8 +348,8 @@ def test_initial_copies_equal_one_plain_call(T, G, Hkv, B, n_initial):
     x = random_inputs(cfg, T, B=B, seed=4)
     _, sel = nsa_reference(**x, config=cfg)
     q_fold, scale = fold(x["q"], Hkv), 32 ** -0.5
-    plain = FlexTiles(split_initial=False)
-    copied = FlexTiles(sel_q_block=16, split_initial=True, initial_copy_tokens=128)
+    plain = FlexTiles(sel_impl="flex", split_initial=False)
+    copied = FlexTiles(sel_impl="flex", sel_q_block=16, split_initial=True, initial_copy_tokens=128)
     with torch.no_grad():
         s_plain = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, plain, forced_initial=True)
         s_copied = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, copied, forced_initial=True)
@@ -368,7 +368,8 @@ def test_whole_op_with_initial_copies_equals_reference(T, G, Hkv, full_blocks):
     cfg = small_config(G, 32, 16, Hkv, n_initial=1, n_local=1, sel_block=32)
     x = random_inputs(cfg, T, B=2, seed=5)
     o_ref, sel_ref = nsa_reference(**x, config=cfg)
-    copied = FlexTiles(sel_q_block=16, split_initial=True, initial_copy_tokens=128, sel_full_blocks=full_blocks)
+    copied = FlexTiles(sel_impl="flex", sel_q_block=16, split_initial=True, initial_copy_tokens=128,
+                       sel_full_blocks=full_blocks)
     with torch.no_grad():
         o, sel = nsa_flex(**x, config=cfg, tiles=copied)
     assert torch.equal(sel, sel_ref)
@@ -606,8 +607,9 @@ def test_chunks_and_initial_split_equal_one_call(T, G, Hkv, B, n_initial):
     x = random_inputs(cfg, T, B=B, seed=3)
     _, sel = nsa_reference(**x, config=cfg)
     q_fold, scale = fold(x["q"], Hkv), 32 ** -0.5
-    plain = FlexTiles(max_chunks=1, split_initial=False)
-    chunked = FlexTiles(max_chunks=16, min_chunk_rows=128, split_initial=True, sel_q_block=16, initial_copy_tokens=64)
+    plain = FlexTiles(sel_impl="flex", max_chunks=1, split_initial=False)
+    chunked = FlexTiles(sel_impl="flex", max_chunks=16, min_chunk_rows=128, split_initial=True, sel_q_block=16,
+                        initial_copy_tokens=64)
     with torch.no_grad():
         o_a, lse_a = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, plain)
         o_b, lse_b = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, chunked)
@@ -635,7 +637,7 @@ def test_given_selection_is_not_split():
     sel = torch.where(sel == 0, -1, sel)
     o_ref, _ = nsa_reference(**x, config=cfg, block_indices=sel)
     with torch.no_grad():
-        tiles = FlexTiles(min_chunk_rows=128, split_initial=True)
+        tiles = FlexTiles(sel_impl="flex", min_chunk_rows=128, split_initial=True)
         o, _ = nsa_flex(**x, config=cfg, block_indices=sel, tiles=tiles)
     assert (o - o_ref).abs().max() <= 1e3 * torch.finfo(torch.float64).eps
 

@@ -86,15 +86,19 @@ CASES = [
 ]
 
 
-# sel_q_block None: the length-based default, 128-row tiles at these short T; 16: the long-T tiles.
-@pytest.mark.parametrize("sel_q_block", [None, 16])
+# The selected branch: the default (the block-centric op at every group), or the Flex call forced
+# with its long-T 16-row tiles.
+SELECTED = {"block": FlexTiles(), "flex16": FlexTiles(sel_impl="flex", sel_q_block=16)}
+
+
+@pytest.mark.parametrize("selected", list(SELECTED))
 @pytest.mark.parametrize("G,Hkv,Dk,Dv,T,B,dtype,n,w", CASES)
-def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w, sel_q_block):
+def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w, selected):
     install_flex_tuning()
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv, n_selected=n, window=w)
     x = cuda_inputs(cfg, T, B, dtype, seed=T)
     do = torch.randn(B, T, G * Hkv, Dv, device="cuda", dtype=dtype)
-    o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=FlexTiles(sel_q_block=sel_q_block))
+    o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=SELECTED[selected])
     assert sel.shape == (B, Hkv, T, n)
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
@@ -105,29 +109,32 @@ def test_forward_backward_against_fp64_oracle(G, Hkv, Dk, Dv, T, B, dtype, n, w,
     pytest.param(4, 2, 1000, BF16, 1, 256, id="G4-Hkv2-T1000-bf16"),
 ])
 def test_chunked_rows_and_initial_split_against_fp64_oracle(G, Hkv, T, dtype, n_initial, min_rows):
-    """The compressed branch's rows in chunks (extra heads) and the initial keys in copies (one per 256 tokens)."""
+    """The compressed branch's rows in chunks (extra heads) and, in the Flex selected call, the initial keys in
+    copies (one per 256 tokens)."""
     install_flex_tuning()
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=128, n_selected=8, window=256, n_initial=n_initial)
     x = cuda_inputs(cfg, T, 1, dtype, seed=T)
     do = torch.randn(1, T, G * Hkv, 128, device="cuda", dtype=dtype)
-    tiles = FlexTiles(sel_q_block=16, min_chunk_rows=min_rows, split_initial=True, initial_copy_tokens=256)
+    tiles = FlexTiles(sel_impl="flex", sel_q_block=16, min_chunk_rows=min_rows, split_initial=True,
+                      initial_copy_tokens=256)
     o, grads, sel = run(nsa_flex, x, do, config=cfg, tiles=tiles)
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel))
 
 
-@pytest.mark.parametrize("Hkv", [1, 4], ids=["G16-flex-selected", "G4-block-selected"])
-def test_compiled_whole_op_one_frame_no_recompile(Hkv):
+@pytest.mark.parametrize("Hkv,sel_impl", [(1, "flex"), (4, None)], ids=["G16-flex-selected", "G4-block-selected"])
+def test_compiled_whole_op_one_frame_no_recompile(Hkv, sel_impl):
     """torch.compile(nsa_flex, fullgraph=True): one graph, matches eager, no recompile over 3 steps,
-    with either selected branch (the Flex call at G=16, the block-centric op at G=4)."""
+    with either selected branch (the Flex call forced at G=16, the default block-centric op at G=4)."""
     install_flex_tuning()
     cfg = NSAConfig(n_heads=16, n_kv_heads=Hkv, head_dim=128, n_selected=16, window=512)
+    tiles = FlexTiles(sel_impl=sel_impl)
     x = cuda_inputs(cfg, 1000, 1, BF16, seed=1)
     do = torch.randn(1, 1000, 16, 128, device="cuda", dtype=BF16)
-    o_eager, g_eager, sel_eager = run(nsa_flex, x, do, config=cfg)
+    o_eager, g_eager, sel_eager = run(nsa_flex, x, do, config=cfg, tiles=tiles)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(nsa_flex, fullgraph=True, dynamic=False)
-    o, grads, sel = run(compiled, x, do, config=cfg)
+    o, grads, sel = run(compiled, x, do, config=cfg, tiles=tiles)
     assert torch.equal(sel, sel_eager)
     torch.testing.assert_close(o, o_eager, atol=2e-2, rtol=2e-2)
     for name in GRAD_INPUTS:
@@ -135,7 +142,7 @@ def test_compiled_whole_op_one_frame_no_recompile(Hkv):
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(3):
             x = cuda_inputs(cfg, 1000, 1, BF16, seed=2 + step)
-            run(compiled, x, do, config=cfg)
+            run(compiled, x, do, config=cfg, tiles=tiles)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 

@@ -67,7 +67,7 @@ def _impl(name: str, config: NSAConfig):
 
     def flex_sel(q, k, v, bi):
         scale = q.shape[-1] ** -0.5
-        o = selected_branch(fold(q, k.shape[2]), k, v, bi, config, scale, FlexTiles(), None, True)
+        o = selected_branch(fold(q, k.shape[2]), k, v, bi, config, scale, FlexTiles(sel_impl="flex"), None, True)
         return unfold(o, q.shape[1])
 
     def dense(q, k, v, bi):

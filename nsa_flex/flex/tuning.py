@@ -59,7 +59,7 @@ class FlexTiles:
     sel_impl: str | None = None
     """The selected branch: "block" (block-centric Triton op, nsa_flex::selected_attention: each
     program loads one key block and walks the tokens that selected it) or "flex" (a Flex call over
-    folded query tiles, each walking its tokens' blocks). None: `selected_impl` picks by group size."""
+    folded query tiles, each walking its tokens' blocks). None: `selected_impl` picks (block)."""
 
     cmp_impl: str | None = None
     """The compressed branch: "flex" (a Flex call over the folded rows with the compression mask),
@@ -72,7 +72,7 @@ class FlexTiles:
             raise ValueError(f"FlexTiles.cmp_impl={self.cmp_impl!r}: allowed None (where it applies) or "
                              f"{', '.join(map(repr, COMPRESSED_IMPLS))}")
         if self.sel_impl not in (None, *SELECTED_IMPLS):
-            raise ValueError(f"FlexTiles.sel_impl={self.sel_impl!r}: allowed None (by group size) or "
+            raise ValueError(f"FlexTiles.sel_impl={self.sel_impl!r}: allowed None (the measured choice) or "
                              f"{', '.join(map(repr, SELECTED_IMPLS))}")
         for name in ("cmp_block", "win_block"):
             value = getattr(self, name)
@@ -91,12 +91,14 @@ class FlexTiles:
     def selected_impl(self, T: int, G: int) -> str:
         """The selected branch's implementation at length T and group size G: sel_impl, or the measured choice.
 
-        Block-centric up to BLOCK_CENTRIC_MAX_GROUP query heads per kv head: there a token-centric tile
-        reads a key block for few query rows and is bound by that traffic (docs/decisions.md).
+        Block-centric at every group: timed side by side at G = 1, 2, 4, 8, 16 and T = 2k to 64k
+        (H200), the op was faster than the token-centric Flex call from 8k on at every G (G=16:
+        62.6 against 102.7 ms forward+backward at 64k); at 2k its eager call's fixed host cost
+        (~2 ms, gone under torch.compile) made the Flex call faster (docs/decisions.md).
         """
         if self.sel_impl is not None:
             return self.sel_impl
-        return "block" if G <= BLOCK_CENTRIC_MAX_GROUP else "flex"
+        return "block"
 
     def split_at(self, T: int, config) -> bool:
         """Whether the initial blocks' keys are split over copies at length T (split_initial, or by length).
@@ -128,8 +130,6 @@ SHORT_SEQ_FACTOR = 2
 
 SELECTED_IMPLS = ("block", "flex")
 COMPRESSED_IMPLS = ("flex", "cudnn", "torch")
-BLOCK_CENTRIC_MAX_GROUP = 8
-"""See FlexTiles.selected_impl."""
 
 
 def is_short(T: int, config) -> bool:
