@@ -275,6 +275,7 @@ KERNEL_CASES = [
         (2, 63, 1, 64, 64, 3, 16, torch.float32, None),
         (1, 111, 4, 32, 24, 5, 16, torch.float32, dict(fwd_chunks=1, bwd_chunks=1)),
         (1, 111, 16, 32, 24, 4, 32, torch.float32, dict(bwd_chunks=2)),
+        (2, 90, 3, 32, 24, 5, 16, torch.float32, None),  # G=3: padded head rows in every kernel
         (1, 200, 2, 64, 64, 6, 16, torch.bfloat16, dict(bwd_chunks=3)),
         (1, 111, 4, 64, 64, 4, 64, torch.float16, None),
         (1, 40, 2, 192, 128, 3, 16, torch.float32, None),

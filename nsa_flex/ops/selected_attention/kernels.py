@@ -222,37 +222,55 @@ if HAS_TRITON:
 
     @triton.jit
     def _slot_kernel(
-        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, T0, Hq, G,
+        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, T0, Hkv,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
         so_b, so_t, so_h, sl_b, sl_h, sl_t,
-        N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, MERGE: tl.constexpr,
+        N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+        DP: tl.constexpr, MERGE: tl.constexpr,
     ):
-        """One (b, t, query head) of the range: its n slots' partials [n, D] -> out [D] in out's
-        dtype at token T0 + t (part, plse, gid: [B, T', ...] of the range; out, lse: whole).
+        """One (b, t, kv head h) of the range: for each of its G query heads, the n slots' partials
+        [n, D] -> out [D] in out's dtype at token T0 + t (part, plse, gid: [B, T', ...] of the
+        range; out, lse: whole).
 
+        The slots are walked one by one with the G heads' [G, D] rows in registers, so the sum
+        needs no exchange between threads, and the slots' block ids are read once for the G heads.
         MERGE: softmax-weighted by the partial lse (base 2); also writes the global lse (natural
         log, -inf when no slot saw a key). Else a plain sum (dQ). Slots that read nothing
         (gid -1) were never written and are not loaded.
         """
         LN2: tl.constexpr = 0.6931471805599453
         pid = tl.program_id(0)
-        hq = pid % Hq
-        t = ((pid // Hq) % T).to(tl.int64)
-        b = (pid // Hq // T).to(tl.int64)
-        n = tl.arange(0, NP)
+        h = pid % Hkv
+        t = ((pid // Hkv) % T).to(tl.int64)
+        b = (pid // Hkv // T).to(tl.int64)
+        g = tl.arange(0, GP)
         d = tl.arange(0, DP)
-        used = tl.load(gid_ptr + b * sg_b + (hq // G) * sg_h + t * sg_t + n, mask=n < N, other=-1) >= 0
-        part = tl.load(part_ptr + b * sp_b + t * sp_t + hq * sp_h + n[:, None] * sp_n + d[None, :],
-                       mask=used[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        hq = h * G + g
+        g_ok = g < G
+        rows = b * sp_b + t * sp_t + hq[:, None] * sp_h + d[None, :]
+        row_ok = g_ok[:, None] & (d[None, :] < D)
+        gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
+        acc = tl.zeros([GP, DP], tl.float32)
         if MERGE:
-            plse = tl.load(plse_ptr + b * spl_b + t * spl_t + hq * spl_h + n, mask=used, other=float("-inf"))
-            m = tl.max(plse, axis=0)
+            n = tl.arange(0, NP)
+            used = tl.load(gid_row + n, mask=n < N, other=-1) >= 0
+            plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
+            plse = tl.load(plse_row[:, None] + n[None, :], mask=g_ok[:, None] & used[None, :], other=float("-inf"))
+            m = tl.max(plse, axis=1)
             m = tl.where(m == float("-inf"), 0.0, m)
-            wgt = tl.math.exp2(plse - m)
-            den = tl.sum(wgt, axis=0)
-            out = tl.sum(part * wgt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+            den = tl.sum(tl.math.exp2(plse - m[:, None]), axis=1)
+            for slot in tl.static_range(N):
+                ok = tl.load(gid_row + slot) >= 0
+                w = tl.math.exp2(tl.load(plse_row + slot, mask=g_ok & ok, other=float("-inf")) - m)
+                part = tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
+                acc += part * w[:, None]
+            out = acc / tl.where(den > 0, den, 1.0)[:, None]
             lse = tl.where(den > 0, (m + tl.math.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf"))
-            tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse)
+            tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse, mask=g_ok)
         else:
-            out = tl.sum(part, axis=0)
-        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + hq * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+            for slot in tl.static_range(N):
+                ok = tl.load(gid_row + slot) >= 0
+                acc += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
+            out = acc
+        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + hq[:, None] * so_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok)

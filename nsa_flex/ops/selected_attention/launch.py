@@ -267,14 +267,17 @@ def _slot_sum(part, plse, index: SelectionIndex, out, lse, t0: int, merge: bool)
     if B * T * Hq == 0:
         return
     gid = index.gid_bhtn
-    G = Hq // gid.shape[1]
+    Hkv = gid.shape[1]
+    G = Hq // Hkv
     # Without merge the lse pointers are never read or written: pass the index's block ids (an
     # int32 tensor no other argument aliases) in their place.
     plse_ = plse if merge else index.blk_start
     lse_ = lse if merge else index.blk_end
     sp = plse_.stride()[:3] if merge else (0, 0, 0)
     sl = lse_.stride()[:3] if merge else (0, 0, 0)
-    wrap_triton(kernels._slot_kernel)[(B * T * Hq,)](
-        part, plse_, gid, out, lse_, T, t0, Hq, G, *part.stride()[:4], *sp, *gid.stride()[:3],
-        *out.stride()[:3], *sl, N=n, NP=next_pow2(n), D=D, DP=max(16, next_pow2(D)), MERGE=merge,
-        num_warps=1 if D <= 64 else 2)
+    GP, DP = next_pow2(G), max(16, next_pow2(D))
+    wrap_triton(kernels._slot_kernel)[(B * T * Hkv,)](
+        part, plse_, gid, out, lse_, T, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
+        *out.stride()[:3], *sl, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
+        # ~8 elements (16 bytes of 16-bit partials) per thread and load.
+        num_warps=max(1, min(8, GP * DP // 256)))
