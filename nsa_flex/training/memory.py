@@ -11,13 +11,14 @@ Parts and how exact they are:
   `_layer_bytes` (eager vs compiled blocks; activation checkpointing keeps only each block's
   input plus one block's activations); an estimate, checked on the GPU by bench/train_gpu.py.
 - masks: the NSA flex path's selection indices and, where the selected branch is a Flex call
-  (groups over 8), its BlockMask tensors (int32, full-width kv indices and their transpose, per
+  (sel_impl="flex"), its BlockMask tensors (int32, full-width kv indices and their transpose, per
   layer); for the reference path the dense [T, T] scores, probabilities and masks of its three
   branches (O(T^2): the oracle's cost).
-- workspace: where the selected branch is block-centric (groups up to 8), the buffers one layer's
+- workspace: where the selected branch is block-centric (the default), the buffers one layer's
   forward or backward holds while it runs: partial outputs (forward) or dQ partials and dK/dV
   partials (backward), n per (token, query head) of one token range, and the inverse index
-  (nsa_flex.ops.selected_attention.launch.workspace_bytes). Not yet checked against a GPU peak.
+  (nsa_flex.ops.selected_attention.launch.workspace_bytes). With it the estimate came out 4-7%
+  above seeds-125m's measured training peaks at 8k-64k (docs/results.md, "Training").
 - logits: the output layer and the loss (fp32 log-softmax and its gradient when eager; a
   fused compiled loss keeps the low-precision logits and their gradient).
 The total adds every part, as if all gradients were alive at the activation peak; that

@@ -97,7 +97,8 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     cfg = launch_config(Hq // Hkv, Dk, Dv, dtype)
     R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype))
     part = partial_dtype(dtype).itemsize
-    # Index of one range: entries and block ids (int32), the sort's int64 keys and order.
+    # Index of one range: entries and block ids (int32), the sort's keys (16-bit, sorted, an int32
+    # copy for the row search) and its int64 order.
     index = 24 * B * Hkv * R * n
     forward = B * R * Hq * n * (part * Dv + 4)
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
