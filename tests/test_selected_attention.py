@@ -188,6 +188,28 @@ def test_index_matches_dense(B, Hkv, T, n, L, cu):
         assert (items.blk[used:] == -1).all()
 
 
+def test_index_with_more_rows_than_16_bit_keys_hold():
+    """Past 32766 rows the sort keys are int32: the same CSR as the dense construction."""
+    T, n, L = 33000, 2, 1  # Nv = 33001 rows of one kv head
+    bi = random_selection(1, 1, T, n, L, seed=3)
+    index = build_index(bi.int(), L)
+    Nv = num_virtual_blocks(T, L, 1)
+    assert Nv >= 2 ** 15 - 1
+    rows = dense_rows(index.gid_bhtn, Nv)
+    assert int(index.counts.sum()) == sum(len(v) for v in rows.values())
+    for r in range(Nv):
+        got = index.entries[index.offsets[r]: index.offsets[r] + index.counts[r]].tolist()
+        assert got == rows.get((0, 0, r), []), r
+
+
+def test_unknown_tile_keys_are_refused():
+    cfg = make_config(4, 32, 32, 3, 16)
+    q, k, v, do = make_inputs(1, 40, cfg, torch.float32, seed=1)
+    bi = random_selection(1, cfg.n_kv_heads, 40, 3, 16, seed=2)
+    with pytest.raises(ValueError, match=r"unknown selected_attention tile keys \['BT'\]; allowed: fwd_BT, bwd_BT"):
+        launch.forward(q, k, v, bi.int(), None, 32 ** -0.5, 16, {"BT": 16})
+
+
 # ----- the torch twin (CPU) -----
 
 TWIN_CASES = [
