@@ -282,6 +282,8 @@ def breakdown(
     overwrite: bool = typer.Option(False, "--overwrite", help=(
         "Replace an earlier result of the same --name (refused otherwise; without --name a new stem is picked)")),
     git_commit: Optional[str] = typer.Option(None, help="Commit to record when the checkout has no git metadata."),
+    profile_only: bool = typer.Option(False, "--profile-only", help=(
+        "Only the whole op: its times, and its kernels by family (skips each step alone, which compiles on its own)")),
 ) -> None:
     """Where the op's time goes (CUDA): each step alone against its floor, and the whole op's kernels by family."""
     import torch
@@ -297,5 +299,5 @@ def breakdown(
                                  param_hint="device")
     stem = free_stem(out_dir, name, default_stem("breakdown", "cuda"), overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run(preset, list(parse_ints(seq_lens, "--seq-lens")), out_dir / f"{stem}.json", git_commit)
+    run(preset, list(parse_ints(seq_lens, "--seq-lens")), out_dir / f"{stem}.json", git_commit, profile_only)
     typer.echo(f"wrote json: {out_dir / f'{stem}.json'}")

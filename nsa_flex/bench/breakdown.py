@@ -9,8 +9,10 @@ Per length T, bf16, B=1, random inputs (selections from the op's own selection s
   alone with fullgraph=True, the two Triton ops as they are), fwd and fwd+bwd, with a
   floor: its attention flops at the rate dense cuDNN reached in this run, or, for the copies and
   the gated sum, its bytes at HBM_GBPS;
-- one torch.profiler pass over three fwd+bwd calls of the whole op: GPU time per kernel family
-  and the longest kernels.
+- one torch.profiler pass over three forward calls and one over three fwd+bwd calls of the whole
+  op: GPU time per kernel family, the longest kernels, and the wall time per call (the gap between
+  them is host time the GPU waited for).
+profile_only skips the steps alone (each compiles on its own: minutes per length).
 Times are triton.testing.do_bench medians. The JSON is rewritten after every row.
 """
 
@@ -64,9 +66,12 @@ class Row:
 class Profile:
     T: int
     per_call_ms: dict[str, float] = field(default_factory=dict)
-    """GPU time per kernel family, per fwd+bwd call."""
+    """GPU time per kernel family, per call."""
     top: list[tuple[str, float, int]] = field(default_factory=list)
     """(kernel, ms per call, launches per call), longest first."""
+    mode: str = "fwd+bwd"
+    wall_ms: float | None = None
+    """Wall time per call inside the profile (profiler overhead included)."""
 
 
 def _inputs(cfg: NSAConfig, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -164,23 +169,27 @@ def floor_ms(basis: str, cfg: NSAConfig, T: int, mode: str, dense_tflops: dict[s
 
 
 def profile_op(op: Callable[[], torch.Tensor], leaves: list[torch.Tensor], T: int, calls: int = 3,
-               top: int = 20) -> Profile:
-    """GPU time of the op's fwd+bwd kernels per call, by family, and the `top` longest kernels."""
+               top: int = 20, mode: str = "fwd+bwd") -> Profile:
+    """GPU time of the op's kernels per call (mode "fwd" or "fwd+bwd"), by family, and the `top` longest."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
-    step = _fwd_bwd(op, leaves)
+    step = _fwd_bwd(op, leaves) if mode == "fwd+bwd" else _no_grad(op)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / calls
     kernels: dict[str, tuple[float, int]] = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         if us > 0:
             kernels[e.key] = (us / 1e3 / calls, e.count // calls)
-    result = Profile(T)
+    result = Profile(T, mode=mode, wall_ms=wall)
     for name, (ms, _) in kernels.items():
         fam = family(name)
         result.per_call_ms[fam] = result.per_call_ms.get(fam, 0.0) + ms
@@ -207,7 +216,8 @@ def dense_ms(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, float]:
     return {"fwd": f, "fwd+bwd": _ms(_fwd_bwd(fwd, [q, k, v]))}
 
 
-def run(preset: str, Ts, out_path, commit: str | None = None) -> tuple[list[Row], list[Profile]]:
+def run(preset: str, Ts, out_path, commit: str | None = None,
+        profile_only: bool = False) -> tuple[list[Row], list[Profile]]:
     """Breaks the op down at every T; prints Markdown and writes JSON to out_path."""
     from nsa_flex.attention import nsa_attention
     from nsa_flex.flex.tuning import install_flex_tuning
@@ -237,7 +247,8 @@ def run(preset: str, Ts, out_path, commit: str | None = None) -> tuple[list[Row]
                 rows.append(Row(T, "whole op (compiled)", mode, None, error=describe_error(exc)))
                 free_memory("cuda")
             print(_line(rows[-1]), flush=True)
-        for name, (fn, step_leaves, basis) in steps(cfg, {n: t.detach() for n, t in x.items()}).items():
+        alone = {} if profile_only else steps(cfg, {n: t.detach() for n, t in x.items()})
+        for name, (fn, step_leaves, basis) in alone.items():
             for mode in ("fwd", "fwd+bwd") if step_leaves else ("fwd",):
                 try:
                     timed = _fwd_bwd(fn, step_leaves) if mode == "fwd+bwd" else _no_grad(fn)
@@ -249,11 +260,12 @@ def run(preset: str, Ts, out_path, commit: str | None = None) -> tuple[list[Row]
                     free_memory("cuda")
                 print(_line(rows[-1]), flush=True)
                 _save_rows(rows, profiles, out_path, commit, preset)
-        try:
-            profiles.append(profile_op(op, leaves, T))
-            print(profile_markdown(profiles[-1]), flush=True)
-        except Exception as exc:
-            print(f"T={T}: profile failed: {describe_error(exc)}", flush=True)
+        for mode in ("fwd", "fwd+bwd"):
+            try:
+                profiles.append(profile_op(op, leaves, T, mode=mode))
+                print(profile_markdown(profiles[-1]), flush=True)
+            except Exception as exc:
+                print(f"T={T}: {mode} profile failed: {describe_error(exc)}", flush=True)
         _save_rows(rows, profiles, out_path, commit, preset)
         del x, leaves
         free_memory("cuda")
@@ -300,7 +312,8 @@ def markdown(rows: list[Row]) -> str:
 
 
 def profile_markdown(p: Profile) -> str:
-    lines = [f"T={p.T}, whole op fwd+bwd, GPU ms per call by kernel family:", "| family | ms |", "|---|---|"]
+    wall = "" if p.wall_ms is None else f" (wall {p.wall_ms:.3f} ms per call under the profiler)"
+    lines = [f"T={p.T}, whole op {p.mode}, GPU ms per call by kernel family{wall}:", "| family | ms |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in sorted(p.per_call_ms.items(), key=lambda kv: -kv[1])]
     lines += ["", "| kernel | ms | launches |", "|---|---|---|"]
     lines += [f"| `{name}` | {ms:.3f} | {n} |" for name, ms, n in p.top]
@@ -313,8 +326,9 @@ def main() -> None:
     p.add_argument("--T", default="16384,65536", help="comma-separated sequence lengths")
     p.add_argument("--out", default="breakdown.json")
     p.add_argument("--commit", default=None, help="commit to record when the checkout has no git metadata")
+    p.add_argument("--profile-only", action="store_true", help="skip the steps alone; time and profile the whole op")
     args = p.parse_args()
-    run(args.preset, [int(t) for t in args.T.split(",")], args.out, args.commit)
+    run(args.preset, [int(t) for t in args.T.split(",")], args.out, args.commit, args.profile_only)
 
 
 if __name__ == "__main__":
