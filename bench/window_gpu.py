@@ -1,0 +1,104 @@
+"""The window branch alone on the GPU: Flex BlockMask block sizes, and two chunked cuDNN causal calls.
+
+    python -m bench.window_gpu --out $OUT/window.json --shapes 1:65536:16:4:128 1:32768:16:4:128 \
+        [--blocks 128x128 128x64 64x64 256x64]
+
+Per shape B:T:Hq:Hkv:D (bf16, NSAConfig's window): dense causal cuDNN (the same run's baseline),
+then the Flex window call (flex.window_branch, compiled with fullgraph=True) with each
+FlexTiles.win_block, forward and forward+backward medians, and its output's largest difference
+from the first block size's (the blocks only reorder bf16 sums). Then the cost of the window as
+two causal attention calls over w-token chunks (queries of chunk i over the keys of chunk i,
+and w-1 reversed queries over the w-1 reversed keys before the chunk; design in
+docs/decisions.md): both cuDNN calls on inputs of those shapes, forward and forward+backward
+with plain autograd, no merge: what that design would pay before its copies and merge.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.common import bench_ms, dense_cudnn, header, make_inputs, parse_shape, row_recorder, shape_script_parser
+from nsa_flex.flex import fold, window_branch
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
+
+
+def _timed(fn, leaves, grad):
+    def fwd():
+        with torch.no_grad():
+            return fn()
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        torch.autograd.backward(fn(), grad, inputs=leaves)
+
+    t0 = time.monotonic()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    first = time.monotonic() - t0
+    return {"fwd_ms": bench_ms(fwd), "fwd_bwd_ms": bench_ms(fwd_bwd), "first_s": round(first, 1)}
+
+
+def main() -> None:
+    p = shape_script_parser(__doc__, ["1:65536:16:4:128"])
+    p.add_argument("--blocks", nargs="+", default=["128x128", "128x64", "64x64", "256x64"])
+    args = p.parse_args()
+    install_flex_tuning()
+    torch._dynamo.config.recompile_limit = 64
+    rows, add = row_recorder(args.out, header(args.commit))
+    for shape in args.shapes:
+        B, T, Hq, Hkv, D = parse_shape(shape)
+        cfg, x = make_inputs(B, T, Hq, Hkv, D)
+        G, w = Hq // Hkv, cfg.window
+        dense, dx = dense_cudnn(x, G)
+        grad = torch.randn_like(dx["q"])
+        add({"shape": shape, "what": "dense cuDNN", **_timed(dense, list(dx.values()), grad)})
+        q_fold = fold(x["q"].detach(), Hkv).requires_grad_(True)
+        k, v = (x[n].detach().requires_grad_(True) for n in ("k", "v"))
+        ref = None
+        for blocks in args.blocks:
+            qb, kb = (int(s) for s in blocks.split("x"))
+            tiles = FlexTiles(win_block=(qb, kb))
+            fn = torch.compile(lambda: window_branch(q_fold, k, v, cfg, D ** -0.5, tiles), fullgraph=True,
+                               dynamic=False)
+            try:
+                out = fn()
+                g = torch.randn_like(out)
+                row = {"shape": shape, "what": f"flex window {blocks}", **_timed(fn, [q_fold, k, v], g)}
+                with torch.no_grad():
+                    o = fn().float()
+                ref = o if ref is None else ref
+                row["max_diff_vs_first"] = float((o - ref).abs().max())
+            except Exception as exc:  # a block size Inductor has no tiles for: say so, go on
+                row = {"shape": shape, "what": f"flex window {blocks}", "error": f"{type(exc).__name__}: {exc}"[:300]}
+            add(row)
+            torch.cuda.empty_cache()
+        # Two causal calls over chunks: A [B*nC, Hq, w, D] over [B*nC, Hkv, w, D];
+        # B [B*(nC-1), Hq, w-1, D] over [B*(nC-1), Hkv, w-1, D].
+        nC = -(-T // w)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+
+        def rnd(*s):
+            return torch.randn(*s, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+
+        for name, n, L in (("cudnn chunk call A (w)", B * nC, w), ("cudnn chunk call B (w-1)", B * (nC - 1), w - 1)):
+            qa, ka, va = rnd(n, Hq, L, D), rnd(n, Hkv, L, D), rnd(n, Hkv, L, D)
+
+            def call(qa=qa, ka=ka, va=va):
+                return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    qa, ka, va, None, True, 0.0, True, False, scale=D ** -0.5)[0]
+
+            try:
+                add({"shape": shape, "what": name, **_timed(call, [qa, ka, va], torch.randn_like(qa))})
+            except Exception as exc:
+                add({"shape": shape, "what": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        del x, dx, q_fold, k, v
+        torch.cuda.empty_cache()
+    for r in rows:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
