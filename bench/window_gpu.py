@@ -1,11 +1,12 @@
 """The window branch alone on the GPU: Flex BlockMask block sizes, and two chunked cuDNN causal calls.
 
     python -m bench.window_gpu --out $OUT/window.json --shapes 1:65536:16:4:128 1:32768:16:4:128 \
-        [--blocks 128x128 128x64 64x64 256x64]
+        [--blocks 128x128 128x64 "128x64:bwd_BLOCK_N1=64,bwd_num_warps=8"] [--no-cudnn]
 
 Per shape B:T:Hq:Hkv:D (bf16, NSAConfig's window): dense causal cuDNN (the same run's baseline),
 then the Flex window call (flex.window_branch, compiled with fullgraph=True) with each
-FlexTiles.win_block, forward and forward+backward medians, and its output's largest difference
+FlexTiles.win_block ("QxK", optionally ":key=value,..." Flex kernel options over the op's own
+for that call), forward and forward+backward medians, and its output's largest difference
 from the first block size's (the blocks only reorder bf16 sums). Then the cost of the window as
 two causal attention calls over w-token chunks (queries of chunk i over the keys of chunk i,
 and w-1 reversed queries over the w-1 reversed keys before the chunk; design in
@@ -20,8 +21,30 @@ import time
 import torch
 
 from bench.common import bench_ms, dense_cudnn, header, make_inputs, parse_shape, row_recorder, shape_script_parser
-from nsa_flex.flex import fold, window_branch
+from nsa_flex.flex import fold, tuning, window_branch
 from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
+
+_OWN_OPTIONS = tuning.branch_kernel_options
+
+
+def _with_window_options(extra: dict):
+    """Make the window's Flex call take `extra` kernel options over the op's own (this process only)."""
+
+    def options(branch, *args, **kwargs):
+        opts = _OWN_OPTIONS(branch, *args, **kwargs)
+        return {**opts, **extra} if branch == "win" else opts
+
+    tuning.branch_kernel_options = options
+
+
+def _parse_variant(text: str) -> tuple[tuple[int, int], dict]:
+    blocks, _, opts = text.partition(":")
+    qb, kb = (int(s) for s in blocks.split("x"))
+    extra = {}
+    for item in filter(None, opts.split(",")):
+        key, value = item.split("=")
+        extra[key] = int(value)
+    return (qb, kb), extra
 
 
 def _timed(fn, leaves, grad):
@@ -43,7 +66,8 @@ def _timed(fn, leaves, grad):
 
 def main() -> None:
     p = shape_script_parser(__doc__, ["1:65536:16:4:128"])
-    p.add_argument("--blocks", nargs="+", default=["128x128", "128x64", "64x64", "256x64"])
+    p.add_argument("--blocks", nargs="+", default=["128x128", "128x64", "128x64:bwd_BLOCK_N1=64"])
+    p.add_argument("--no-cudnn", action="store_true", help="skip the chunked cuDNN calls")
     args = p.parse_args()
     install_flex_tuning()
     torch._dynamo.config.recompile_limit = 64
@@ -59,8 +83,9 @@ def main() -> None:
         k, v = (x[n].detach().requires_grad_(True) for n in ("k", "v"))
         ref = None
         for blocks in args.blocks:
-            qb, kb = (int(s) for s in blocks.split("x"))
-            tiles = FlexTiles(win_block=(qb, kb))
+            win_block, extra = _parse_variant(blocks)
+            _with_window_options(extra)
+            tiles = FlexTiles(win_block=win_block)
             fn = torch.compile(lambda: window_branch(q_fold, k, v, cfg, D ** -0.5, tiles), fullgraph=True,
                                dynamic=False)
             try:
@@ -77,6 +102,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         # Two causal calls over chunks: A [B*nC, Hq, w, D] over [B*nC, Hkv, w, D];
         # B [B*(nC-1), Hq, w-1, D] over [B*(nC-1), Hkv, w-1, D].
+        if args.no_cudnn:
+            continue
         nC = -(-T // w)
         gen = torch.Generator(device="cuda").manual_seed(1)
 
