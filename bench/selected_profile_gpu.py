@@ -33,8 +33,8 @@ def main() -> None:
         torch.cuda.synchronize()
         if traced:
             torch.cuda.cudart().cudaProfilerStart()
-        o, lse, saved = launch.forward(q, k, v, bi, None, scale, L)
-        launch.backward(do, q, k, v, o, lse, bi, None, scale, L, saved=saved)
+        o, lse = launch.forward(q, k, v, bi, None, scale, L)
+        launch.backward(do, q, k, v, o, lse, bi, None, scale, L)
         torch.cuda.synchronize()
         if traced:
             torch.cuda.cudart().cudaProfilerStop()

@@ -4,8 +4,7 @@
 
 For each shape B:T:Hq:Hkv:D (bf16, NSA-shaped random selections from nsa_flex.bench.selected) and
 each variant (tile keys over launch_config's, "default" first): the forward and the backward
-alone (launch.forward with its index build, launch.backward reusing that index; for the default
-also the backward building its own, bwd_index_rebuilt_ms), medians, and the largest
+alone (launch.forward / launch.backward, index builds included), medians, and the largest
 difference of o / dq / dk / dv from the default's (the tiles change only the order of sums,
 so it stays at rounding level; a larger one is a bug). The JSON is rewritten after every row.
 """
@@ -72,20 +71,16 @@ def main() -> None:
                 tiles["range_tokens"] = int(-tiles["range_tokens"] * launch.range_tokens(B, T, Hq, cfg.n_selected, D,
                                                                                          q.dtype))
             try:
-                o, lse, saved = launch.forward(q, k, v, bi, None, scale, L, tiles)
-                grads = launch.backward(do, q, k, v, o, lse, bi, None, scale, L, tiles, saved)
+                o, lse = launch.forward(q, k, v, bi, None, scale, L, tiles)
+                grads = launch.backward(do, q, k, v, o, lse, bi, None, scale, L, tiles)
                 out = (o, *grads)
                 if base is None:
                     base = out
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, base))
                 fwd = bench_ms(lambda: launch.forward(q, k, v, bi, None, scale, L, tiles))
-                bwd = bench_ms(lambda: launch.backward(do, q, k, v, o, lse, bi, None, scale, L, tiles, saved))
-                row = {"shape": shape, "variant": name, "tiles": tiles, "fwd_ms": fwd, "bwd_ms": bwd,
-                       "max_diff_vs_default": diff}
-                if name == "default":  # the backward that sorts its index again, for comparison
-                    row["bwd_index_rebuilt_ms"] = bench_ms(
-                        lambda: launch.backward(do, q, k, v, o, lse, bi, None, scale, L, tiles))
-                add(row)
+                bwd = bench_ms(lambda: launch.backward(do, q, k, v, o, lse, bi, None, scale, L, tiles))
+                add({"shape": shape, "variant": name, "tiles": tiles, "fwd_ms": fwd, "bwd_ms": bwd,
+                     "max_diff_vs_default": diff})
             except Exception as exc:  # one failing variant must not lose the others
                 add({"shape": shape, "variant": name, "tiles": tiles, "error": f"{type(exc).__name__}: {exc}"[:300]})
             torch.cuda.empty_cache()

@@ -66,8 +66,7 @@ def test_block_centric_selected_branch_counts_its_buffers():
     block = estimate(big, batch_size=1, seq_len=T)
     flex = estimate(big, batch_size=1, seq_len=T, sel_impl="flex")
     assert flex.workspace == 0 and estimate(big.replace(attention="dense"), batch_size=1, seq_len=T).workspace == 0
-    # The selection and the op's saved index of it (block ids, entries): 12 bytes per (kv head, token, slot).
-    assert block.masks == big.n_layers * 12 * big.nsa.n_kv_heads * T * n < flex.masks
+    assert block.masks == big.n_layers * 4 * big.nsa.n_kv_heads * T * n < flex.masks
     # The backward's dQ partials (bf16, n per token and query head) bound it from below.
     assert block.workspace >= 2 * T * Hq * n * big.nsa.head_dim
     assert estimate(big, batch_size=1, seq_len=2 * T).workspace == pytest.approx(2 * block.workspace, rel=0.02)

@@ -113,8 +113,8 @@ def run_op(q, k, v, do, bi, cfg, impl, cu_seqlens=None):
 def run_kernels(q, k, v, do, bi, cfg, cu_seqlens=None, tiles=None):
     """The Triton path through its internal entry points (tiles override launch_config)."""
     scale = q.shape[-1] ** -0.5
-    o, lse, saved = launch.forward(q, k, v, bi, cu_seqlens, scale, cfg.sel_block, tiles)
-    return (o, *launch.backward(do, q, k, v, o, lse, bi, cu_seqlens, scale, cfg.sel_block, tiles, saved))
+    o, lse = launch.forward(q, k, v, bi, cu_seqlens, scale, cfg.sel_block, tiles)
+    return (o, *launch.backward(do, q, k, v, o, lse, bi, cu_seqlens, scale, cfg.sel_block, tiles))
 
 
 @pytest.fixture
@@ -355,27 +355,6 @@ def test_kernels_interpreted_token_ranges(T, R, dtype, cu, poisoned):
     check(got, q, k, v, do, bi, cfg, cu)
 
 
-@interpreter
-@pytest.mark.parametrize("cu", [None, [0, 40, 41, 41, 130]], ids=["single", "packed"])
-def test_saved_index_gives_the_rebuilt_backward(cu):
-    """The backward reusing the forward's index (3 token ranges) equals, bit for bit, the backward
-    that builds it again; the saved index has the shapes the op's fake gives."""
-    cfg = make_config(2, 32, 24, 4, 16)
-    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    T, tiles = 130, dict(range_tokens=50, bwd_chunks=2)
-    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=11)
-    bi = random_selection(1, 2, T, 4, 16, seed=11, cu_seqlens=cu)
-    o, lse, saved = launch.forward(q, k, v, bi, cu, 0.2, 16, tiles)
-    n_docs = 1 if cu is None else cu.shape[0] - 1
-    shapes = launch.saved_index_shapes(1, T, q.shape[2], 2, 4, 32, 24, 16, n_docs, q.dtype, tiles)
-    assert [tuple(t.shape) for t in saved] == [tuple(s) for s in shapes]
-    assert saved.counts.shape[0] == 3
-    reused = launch.backward(do, q, k, v, o, lse, bi, cu, 0.2, 16, tiles, saved)
-    rebuilt = launch.backward(do, q, k, v, o, lse, bi, cu, 0.2, 16, tiles)
-    for a, b in zip(reused, rebuilt):
-        assert torch.equal(a, b)
-
-
 def test_range_tokens_bound_the_partial_buffers():
     """Ranges: the whole sequence when its partials fit, else multiples of 64 tokens whose
     partial buffer stays within PARTIAL_BYTES; an explicit range_tokens wins."""
@@ -406,12 +385,12 @@ def test_kernels_interpreted_causal():
     T, t0 = 90, 37
     q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=4)
     bi = random_selection(1, 2, T, 4, 16, seed=4).int()
-    o1 = launch.forward(q, k, v, bi, None, 0.2, 16)[0]
+    o1, _ = launch.forward(q, k, v, bi, None, 0.2, 16)
     k2, v2 = k.clone(), v.clone()
     k2[:, t0 + 1:] += 3.0
     # Finite: a masked key's p is 0 and 0 * NaN would still be NaN, in any attention.
     v2[:, t0 + 1:] *= -100.0
-    o2 = launch.forward(q, k2, v2, bi, None, 0.2, 16)[0]
+    o2, _ = launch.forward(q, k2, v2, bi, None, 0.2, 16)
     assert torch.equal(o1[:, : t0 + 1], o2[:, : t0 + 1])
 
 

@@ -198,9 +198,8 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles
         per_seq = (2 * 13 * n.n_heads * T * T + 13 * n.n_heads * T * Tc + n.n_kv_heads * T * T
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
     elif _block_centric(cfg, T, tiles):
-        # The selection (int32 [Hkv, T, n]) and the op's index of it (launch.SavedIndex: block ids and
-        # entries, int32 each), saved for the op's backward; no BlockMask lists.
-        per_seq = 12 * n.n_kv_heads * T * n.n_selected
+        # The selection (int32 [Hkv, T, n]), saved for the op's backward; no BlockMask lists.
+        per_seq = 4 * n.n_kv_heads * T * n.n_selected
     else:
         # The mask_mod's selection bits; per query tile a kv-side list (the union of its tokens'
         # blocks), per kv block a q-side list as wide as the query tiles (Flex's backward needs

@@ -45,7 +45,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     """
     _check_inputs(q, k, v, block_indices, cu_seqlens, impl)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o = torch.ops.nsa_flex.selected_attention(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl)[0]
+    o, _ = torch.ops.nsa_flex.selected_attention(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl)
     return o
 
 
@@ -56,30 +56,17 @@ def _use_triton(q: Tensor, impl: str) -> bool:
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor],
-                  scale: float, sel_block: int, impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, lse, and the Triton path's index for its backward: launch.SavedIndex's four tensors; zeros
-    of the same shapes on the twin's path, which needs none)."""
+                  scale: float, sel_block: int, impl: str) -> tuple[Tensor, Tensor]:
     if _use_triton(q, impl):
-        o, lse, saved = launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block)
-        return (o, lse, *saved)
-    o, lse = twin.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block)
-    return (o, lse, *(torch.zeros(s, dtype=torch.int32, device=q.device) for s in _saved_shapes(q, k, v, block_indices,
-                                                                                                  cu_seqlens, sel_block)))
-
-
-def _saved_shapes(q, k, v, block_indices, cu_seqlens, sel_block):
-    B, T, Hq, Dk = q.shape
-    n_docs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return launch.saved_index_shapes(B, T, Hq, k.shape[2], block_indices.shape[-1], Dk, v.shape[-1], sel_block,
-                                     n_docs, q.dtype)
+        return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block)
+    return twin.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block)
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, block_indices: Tensor,
-                   cu_seqlens: Optional[Tensor], gid: Tensor, entries: Tensor, counts: Tensor, offsets: Tensor,
-                   scale: float, sel_block: int, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+                   cu_seqlens: Optional[Tensor], scale: float, sel_block: int,
+                   impl: str) -> tuple[Tensor, Tensor, Tensor]:
     if _use_triton(q, impl):
-        return launch.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block,
-                               saved=launch.SavedIndex(gid, entries, counts, offsets))
+        return launch.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block)
     return twin.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block)
 
 
@@ -91,28 +78,26 @@ with quiet_without_triton():
 @_forward_op.register_fake
 def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl):
     B, T, Hq, _ = q.shape
-    saved = (q.new_empty(s, dtype=torch.int32) for s in _saved_shapes(q, k, v, block_indices, cu_seqlens, sel_block))
-    return (q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32), *saved)
+    return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32)
 
 
 @_backward_op.register_fake
-def _backward_fake(do, q, k, v, o, lse, block_indices, cu_seqlens, gid, entries, counts, offsets, scale, sel_block,
-                   impl):
+def _backward_fake(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block, impl):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, block_indices, cu_seqlens, scale, sel_block, impl = inputs
-    o, lse, *saved = output
-    ctx.mark_non_differentiable(lse, *saved)
-    ctx.save_for_backward(q, k, v, o, lse, block_indices, cu_seqlens, *saved)
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, block_indices, cu_seqlens)
     ctx.args = (scale, sel_block, impl)
 
 
-def _backward(ctx, do, *_):
-    q, k, v, o, lse, block_indices, cu_seqlens, *saved = ctx.saved_tensors
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, block_indices, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_backward(do, q, k, v, o, lse, block_indices, cu_seqlens,
-                                                                *saved, *ctx.args)
+                                                                *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
 

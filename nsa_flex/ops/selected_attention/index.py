@@ -73,8 +73,12 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     device = block_indices.device
     seq_len = T if seq_len is None else seq_len
     cu = _bounds(cu_seqlens, seq_len, device)
-    Nv = num_virtual_blocks(seq_len, sel_block, cu.shape[0] - 1)
-    lens, first_blk, last_blk = _document_blocks(cu, sel_block)
+    n_docs = cu.shape[0] - 1
+    Nv = num_virtual_blocks(seq_len, sel_block, n_docs)
+    lens = cu[1:] - cu[:-1]
+    doc_blocks = (lens + sel_block - 1) // sel_block
+    last_blk = torch.cumsum(doc_blocks, 0)
+    first_blk = last_blk - doc_blocks
     blk_start, blk_end = _virtual_blocks(cu, last_blk, first_blk, Nv, sel_block)
 
     t = torch.arange(T, device=device) if positions is None else positions
@@ -105,21 +109,6 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     counts = bounds[1:] - offsets
     return SelectionIndex(gid.to(torch.int32), counts.to(torch.int32), offsets.to(torch.int32), entries,
                           blk_start, blk_end)
-
-
-def virtual_blocks(seq_len: int, sel_block: int, cu_seqlens: Tensor | None, device) -> tuple[Tensor, Tensor]:
-    """([Nv] first key token, [Nv] one past the last) int32 of every virtual block, as build_index sets them."""
-    cu = _bounds(cu_seqlens, seq_len, device)
-    _, first_blk, last_blk = _document_blocks(cu, sel_block)
-    return _virtual_blocks(cu, last_blk, first_blk, num_virtual_blocks(seq_len, sel_block, cu.shape[0] - 1), sel_block)
-
-
-def _document_blocks(cu: Tensor, sel_block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(lengths, first virtual block, one past the last) of each document [n_docs]."""
-    lens = cu[1:] - cu[:-1]
-    doc_blocks = (lens + sel_block - 1) // sel_block
-    last_blk = torch.cumsum(doc_blocks, 0)
-    return lens, last_blk - doc_blocks, last_blk
 
 
 def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:

@@ -7,14 +7,12 @@ every grid and buffer size is a function of the shapes.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from nsa_flex.ops.selected_attention import kernels
-from nsa_flex.ops.selected_attention.index import (SelectionIndex, build_index, num_virtual_blocks, virtual_blocks,
-                                                   work_list)
+from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import next_pow2
 
 if kernels.HAS_TRITON:
@@ -113,37 +111,6 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     return int(index + max(forward, backward))
 
 
-class SavedIndex(NamedTuple):
-    """The forward's index of every token range, kept for the backward (which would otherwise sort again).
-
-    Range after range, flat: range [t0, t1)'s block ids are gid[B*Hkv*n*t0 : B*Hkv*n*t1] viewed as
-    [B, Hkv, t1 - t0, n], its entries the same span of `entries`, its row counts / offsets row i of
-    `counts` / `offsets` [ranges, B*Hkv*Nv]. About 8 bytes per (token, kv head, slot): 32 MiB at
-    T=64k, Hkv=4, n=16.
-    """
-
-    gid: Tensor
-    entries: Tensor
-    counts: Tensor
-    offsets: Tensor
-
-
-def saved_index_shapes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int, n_docs: int,
-                       dtype: torch.dtype, tiles: dict | None = None) -> tuple[tuple[int, ...], ...]:
-    """The shapes of SavedIndex's tensors (all int32), from the shapes alone (for the op's fake)."""
-    ranges = len(_ranges(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype, tiles)))
-    rows = B * Hkv * num_virtual_blocks(T, sel_block, n_docs)
-    return (B * Hkv * T * n,), (B * Hkv * T * n,), (ranges, rows), (ranges, rows)
-
-
-def _range_index(saved: SavedIndex, i: int, t0: int, t1: int, B: int, Hkv: int, n: int,
-                 blk_start: Tensor, blk_end: Tensor) -> SelectionIndex:
-    """Range i's SelectionIndex out of the saved one (views, no copies)."""
-    a, b = B * Hkv * n * t0, B * Hkv * n * t1
-    return SelectionIndex(saved.gid[a:b].view(B, Hkv, t1 - t0, n), saved.counts[i], saved.offsets[i],
-                          saved.entries[a:b], blk_start, blk_end)
-
-
 def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
     tiles = tiles or {}
     unknown = sorted(set(tiles) - set(TILE_KEYS))
@@ -182,7 +149,7 @@ def _ranges(T: int, R: int):
 
 
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
-    """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log, SavedIndex) on the Triton path."""
+    """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path."""
     q, k, v = _dense(q, k, v)
     B, T, Hq, _ = q.shape
     Hkv, n, Dv = k.shape[2], block_indices.shape[-1], v.shape[-1]
@@ -191,15 +158,9 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    ranges = _ranges(T, R)
-    gids, entries, counts, offsets = [], [], [], []
-    for t0, t1 in ranges:
+    for t0, t1 in _ranges(T, R):
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
-        gids.append(index.gid_bhtn.flatten())
-        entries.append(index.entries)
-        counts.append(index.counts)
-        offsets.append(index.offsets)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -210,24 +171,11 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
                 **_launch(cfg, "fwd"))
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
-    saved = _saved(gids, entries, counts, offsets, q.device,
-                   saved_index_shapes(B, T, Hq, Hkv, n, q.shape[-1], Dv, sel_block,
-                                      1 if cu_seqlens is None else cu_seqlens.shape[0] - 1, q.dtype, cfg))
-    return o, lse, saved
+    return o, lse
 
 
-def _saved(gids, entries, counts, offsets, device, shapes) -> SavedIndex:
-    """The ranges' index tensors joined (empty tensors of the right shapes when there is no range)."""
-    if not gids:
-        return SavedIndex(*(torch.zeros(s, dtype=torch.int32, device=device) for s in shapes))
-    return SavedIndex(torch.cat(gids), torch.cat(entries), torch.stack(counts), torch.stack(offsets))
-
-
-def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None,
-             saved: SavedIndex | None = None):
-    """(dq, dk, dv) in the inputs' dtypes on the Triton path; lse as forward returns it.
-
-    saved: the forward's SavedIndex (same tiles); without it the index is built again."""
+def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
+    """(dq, dk, dv) in the inputs' dtypes on the Triton path; lse as forward returns it."""
     q, k, v = _dense(q, k, v)
     B, T, Hq, Dk = q.shape
     Hkv, n = k.shape[2], block_indices.shape[-1]
@@ -244,16 +192,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     # Ranges before the last sum their dK/dV into fp32 buffers shaped like dk / dv (in place).
     dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
     dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
-    span = cfg["bwd_BT"] * cfg["bwd_chunks"]
-    blocks = None
     for i, (t0, t1) in enumerate(ranges):
-        if saved is None:
-            index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens, span, t0, T)
-        else:
-            if blocks is None:
-                blocks = virtual_blocks(T, sel_block, cu_seqlens, q.device)
-            index = _range_index(saved, i, t0, t1, B, Hkv, n, *blocks)
-            items = work_list(index, span, t1 - t0, n)
+        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
+                                       cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
         delta[:, :, t0:t1] = (do[:, t0:t1].float() * o[:, t0:t1].float()).sum(-1).transpose(1, 2)
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
