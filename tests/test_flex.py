@@ -220,6 +220,32 @@ def test_folded_interval_masks(T, G):
         assert torch.equal(create_mask(bm.mask_mod, None, None, T * G, dense.shape[-1], "cpu"), dense)
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_interval_masks_at_random_shapes(seed):
+    """Window and compressed masks at random lengths, groups, block sizes, windows and packed
+    documents: each list against its own mask_mod's dense mask (exact without documents, a
+    superset with them), full blocks entirely allowed, q lists the transposes of the kv lists."""
+    import random
+
+    rnd = random.Random(seed)
+    T, G = rnd.randint(1, 700), rnd.choice([1, 2, 3, 4])
+    block_size = (rnd.choice([16, 32, 64, 128]), rnd.choice([16, 64, 128]))
+    cfg = small_config(G, 16, 16, window=rnd.choice([1, 7, 100, 512]))
+    docs = None
+    if seed % 2 and T > 2:
+        cuts = sorted(rnd.sample(range(1, T), min(T - 1, rnd.randint(1, 4))))
+        cu = torch.tensor([0, *cuts, T])
+        cu_cmp = compressed_seqlens(cu, cfg)
+        docs = documents(cu, cu_cmp, T, int(cu_cmp[-1]))
+    Tc = num_cmp_blocks(T, cfg) if docs is None else int(docs.c_doc.shape[0])
+    masks = [(window_block_mask(T, cfg.window, "cpu", block_size, G, docs=docs), T)]
+    if Tc > 0:
+        masks.append((compressed_block_mask(T, Tc, cfg, "cpu", block_size, G, docs=docs), Tc))
+    for bm, kv_len in masks:
+        dense = create_mask(bm.mask_mod, None, None, T * G, kv_len, "cpu")
+        check_block_mask(bm, dense, exact=docs is None)
+
+
 @pytest.mark.parametrize("T,window", [(1, 4), (300, 128), (1000, 512), (513, 100), (5000, 512), (3001, 100)])
 def test_window_block_mask(T, window):
     t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
