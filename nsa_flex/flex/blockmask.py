@@ -178,8 +178,7 @@ def interval_block_mask(q_len: int, kv_len: int, lo, hi, block_size: tuple[int, 
     # also drops the empty block of kv_len = 0.)
     full_n = torch.where(touched, (f1 - f0 + 1).clamp(min=0), 0)
     has_full = full_n > 0
-    # Partial: the run [first, last] less the full run [f0, f1] (which lies inside it, since a
-    # full block is inside every row's interval): [first, fa) then (fb, last].
+    # Partial: the run [first, last] less the full run [f0, f1] inside it: [first, fa) then (fb, last].
     fa = torch.where(has_full, f0, last + 1)
     fb = torch.where(has_full, f1, last)
     n_left, n_right = fa - first, last - fb
