@@ -38,12 +38,13 @@ def _with_window_options(extra: dict):
 
 
 def _parse_variant(text: str) -> tuple[tuple[int, int], dict]:
+    """"QxK[:key=int,...]" -> ((Q, K), kernel options); a clear error for anything else."""
     blocks, _, opts = text.partition(":")
-    qb, kb = (int(s) for s in blocks.split("x"))
-    extra = {}
-    for item in filter(None, opts.split(",")):
-        key, value = item.split("=")
-        extra[key] = int(value)
+    try:
+        qb, kb = (int(s) for s in blocks.split("x"))
+        extra = {key: int(value) for key, value in (item.split("=") for item in filter(None, opts.split(",")))}
+    except ValueError:
+        raise SystemExit(f"--blocks {text!r}: expected QxK or QxK:option=int,... (e.g. 128x64:bwd_BLOCK_N1=64)")
     return (qb, kb), extra
 
 
