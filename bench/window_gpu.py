@@ -1,13 +1,17 @@
 """The window branch alone on the GPU: Flex BlockMask block sizes, and two chunked cuDNN causal calls.
 
     python -m bench.window_gpu --out $OUT/window.json --shapes 1:65536:16:4:128 1:32768:16:4:128 \
-        [--blocks 128x128 128x64 "128x64:bwd_BLOCK_N1=64,bwd_num_warps=8"] [--no-cudnn]
+        [--blocks 128x128 128x64 "128x64:bwd_BLOCK_N1=64,bwd_num_warps=8" "128x128:USE_TMA=1"] [--no-cudnn] \
+        [--max-autotune]
 
 Per shape B:T:Hq:Hkv:D (bf16, NSAConfig's window): dense causal cuDNN (the same run's baseline),
 then the Flex window call (flex.window_branch, compiled with fullgraph=True) with each
 FlexTiles.win_block ("QxK", optionally ":key=value,..." Flex kernel options over the op's own
-for that call), forward and forward+backward medians, and its output's largest difference
-from the first block size's (the blocks only reorder bf16 sums). Then the cost of the window as
+for that call), forward and forward+backward medians, and the largest differences of its output and its
+gradients (q, k, v; one fixed output gradient) from the first variant's (the tiles only reorder
+bf16 sums; a wrong kernel option shows as a large difference or NaN). --max-autotune lets
+Inductor time its own candidate tiles for every variant (the winners go to stderr as
+"Autotune Choices Stats"). Then the cost of the window as
 two causal attention calls over w-token chunks (queries of chunk i over the keys of chunk i,
 and w-1 reversed queries over the w-1 reversed keys before the chunk; design in
 docs/decisions.md): both cuDNN calls on inputs of those shapes, forward and forward+backward
@@ -65,12 +69,28 @@ def _timed(fn, leaves, grad):
     return {"fwd_ms": bench_ms(fwd), "fwd_bwd_ms": bench_ms(fwd_bwd), "first_s": round(first, 1)}
 
 
+def _outputs(fn, leaves, grad) -> dict[str, torch.Tensor]:
+    """The output and the leaves' gradients (fp32) of one forward+backward with output gradient `grad`."""
+    for x in leaves:
+        x.grad = None
+    out = fn()
+    torch.autograd.backward(out, grad, inputs=leaves)
+    got = {"o": out.detach().float()}
+    got.update({name: x.grad.float() for name, x in zip(("dq", "dk", "dv"), leaves)})
+    return got
+
+
 def main() -> None:
     p = shape_script_parser(__doc__, ["1:65536:16:4:128"])
     p.add_argument("--blocks", nargs="+", default=["128x128", "128x64", "128x64:bwd_BLOCK_N1=64"])
     p.add_argument("--no-cudnn", action="store_true", help="skip the chunked cuDNN calls")
+    p.add_argument("--max-autotune", action="store_true", help="Inductor times its candidate Flex tiles")
     args = p.parse_args()
     install_flex_tuning()
+    if args.max_autotune:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune = True
     torch._dynamo.config.recompile_limit = 64
     rows, add = row_recorder(args.out, header(args.commit))
     for shape in args.shapes:
@@ -83,6 +103,7 @@ def main() -> None:
         q_fold = fold(x["q"].detach(), Hkv).requires_grad_(True)
         k, v = (x[n].detach().requires_grad_(True) for n in ("k", "v"))
         ref = None
+        g = None
         for blocks in args.blocks:
             win_block, extra = _parse_variant(blocks)
             _with_window_options(extra)
@@ -91,12 +112,13 @@ def main() -> None:
                                dynamic=False)
             try:
                 out = fn()
-                g = torch.randn_like(out)
-                row = {"shape": shape, "what": f"flex window {blocks}", **_timed(fn, [q_fold, k, v], g)}
-                with torch.no_grad():
-                    o = fn().float()
-                ref = o if ref is None else ref
-                row["max_diff_vs_first"] = float((o - ref).abs().max())
+                g = torch.randn_like(out) if g is None else g
+                row = {"shape": shape, "what": f"flex window {blocks}", "max_autotune": args.max_autotune,
+                       **_timed(fn, [q_fold, k, v], g)}
+                got = _outputs(fn, [q_fold, k, v], g)
+                ref = got if ref is None else ref
+                for name, value in got.items():
+                    row[f"max_diff_{name}_vs_first"] = float((value - ref[name]).abs().max())
             except Exception as exc:  # a block size Inductor has no tiles for: say so, go on
                 row = {"shape": shape, "what": f"flex window {blocks}", "error": f"{type(exc).__name__}: {exc}"[:300]}
             add(row)
