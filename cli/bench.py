@@ -85,8 +85,9 @@ def attention(
         "T of the correctness check before timing, 0 = none (default 2048 CUDA, 256 CPU).")),
     module_dim: int = typer.Option(1024, help="Model width of the module rows (nsa-flex-module, lucidrains)."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=(
-        "Run nsa-flex as one torch.compile(fullgraph=True) graph. Default off: each Flex call is compiled, the "
-        "glue runs eagerly (the whole-op compile takes minutes per T and mode on torch 2.11).")),
+        "Run nsa-flex inside the caller's torch.compile(fullgraph=True). Default off: nsa-flex runs as "
+        "nsa_attention does by default (on CUDA, one compiled graph per shape); nsa-flex-eager runs its glue "
+        "eagerly.")),
     seed: int = typer.Option(0, help="Random seed of the inputs."),
     out_dir: Path = typer.Option(Path("runs/bench"), "--out-dir", "-o", help="Folder for the JSON, MD and PNG."),
     name: Optional[str] = typer.Option(None, help="File stem (default <date>_<device>_attention)."),

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
-from nsa_flex.validate import check_inputs
+from nsa_flex.validate import check_compiled, check_inputs
 
 IMPLS = ("auto", "reference", "flex")
 """auto: flex on CUDA, reference elsewhere. flex off CUDA runs forward-only (see resolve_impl)."""
@@ -68,6 +68,7 @@ def nsa_attention(
     cu_seqlens: torch.Tensor | None = None,
     k_win: torch.Tensor | None = None,
     v_win: torch.Tensor | None = None,
+    compiled: bool = True,
 ):
     """Native Sparse Attention: gated sum of the compressed, selected and window branches.
 
@@ -83,8 +84,11 @@ def nsa_attention(
     impl chooses the implementation: "reference" (plain PyTorch, any device, gradients
     everywhere), "flex" (FlexAttention + the Triton selection op; on CPU forward only, so with
     gradients there the reference runs) or "auto" (flex on CUDA, reference elsewhere); see
-    resolve_impl.
+    resolve_impl. compiled (flex on CUDA): run the op as one compiled graph per shape (the
+    default; the first call of each shape compiles) or, False, as eager glue around its compiled
+    Flex calls and Triton ops (see nsa_flex.flex.compiled). Inside torch.compile it has no effect.
     """
+    check_compiled(compiled)
     if not torch.compiler.is_compiling():
         # Value checks read tensors on the host; under torch.compile only shapes are checked.
         check_inputs(q, k, v, k_cmp, v_cmp, gates, config, block_indices, cu_seqlens, k_win, v_win)
@@ -103,9 +107,10 @@ def nsa_attention(
                 )
         case "flex":
             from nsa_flex import flex
+            from nsa_flex.flex import compiled as compiled_path
 
-            o, sel = flex.nsa_flex(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
-                                   cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+            o, sel = compiled_path.run(flex.nsa_flex, compiled, q, k, v, k_cmp, v_cmp, gates, config,
+                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
     return (o, sel) if return_indices else o
 
 
@@ -147,12 +152,13 @@ class NSAAttention(nn.Module):
 
     x [B, T, dim] -> [B, T, dim]. `impl` picks the implementation of the op (see nsa_attention);
     after each eager forward `last_impl` names the one that ran ("reference" or "flex").
+    `compiled`: on CUDA the flex branches run as one compiled graph per shape (see nsa_attention).
     `rotary`, if given, is a callable (q, k) -> (q, k) applied to the selected/window keys and
     all queries; the compressed keys come from the un-rotated keys, since phi's intra-block
     position encoding already tells it where inside a block each token sits.
     """
 
-    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "auto", bias: bool = False):
+    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "auto", bias: bool = False, compiled: bool = True):
         super().__init__()
         if not isinstance(config, NSAConfig):
             raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}; build one with "
@@ -163,7 +169,8 @@ class NSAAttention(nn.Module):
             raise ValueError(f"dim={dim}: must be a positive integer")
         # Unknown values fail here, not at the first forward.
         resolve_impl(impl, "cpu")
-        self.config, self.dim, self.impl = config, dim, impl
+        check_compiled(compiled)
+        self.config, self.dim, self.impl, self.compiled = config, dim, impl, compiled
         self.last_impl: str | None = None
         Hq, Hkv, Dk, Dv = config.n_heads, config.n_kv_heads, config.head_dim, config.dv
         self.wq = nn.Linear(dim, Hq * Dk, bias=bias)
@@ -252,6 +259,7 @@ class NSAAttention(nn.Module):
         anyway, instead of keeping the sum for wo and the gate MLP's activations (~74 MiB per
         layer of seeds-125m at 32k tokens; docs/decisions.md, memory)."""
         from nsa_flex import flex
+        from nsa_flex.flex import compiled as compiled_path
 
         cfg = self.config
         B, T, _ = x_btc.shape
@@ -259,8 +267,9 @@ class NSAAttention(nn.Module):
             # The gates are made inside the region: their shape stands in for the checks.
             gates_shape = q.new_zeros(()).expand(B, T, cfg.n_heads, 3)
             check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, block_indices, cu_seqlens, k_win, v_win)
-        o_cmp, o_sel, o_win, sel = flex.nsa_flex_branches(q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
-                                                          cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+        o_cmp, o_sel, o_win, sel = compiled_path.run(
+            flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
+            cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
         combine = flex.combine_for(q)
 
         def output(x_btc, o_cmp, o_sel, o_win):

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.attention import IMPLS, NSAAttention, resolve_impl
 from nsa_flex.config import NSAConfig
+from nsa_flex.validate import check_compiled
 
 ATTENTIONS = ("nsa", "dense")
 MODEL_IMPLS = IMPLS
@@ -252,6 +253,14 @@ class NSALM(nn.Module):
     def loss(self, tokens_bt: torch.Tensor, targets_bt: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (see lm_loss). Under DDP call the wrapper, then lm_loss."""
         return lm_loss(self(tokens_bt), targets_bt)
+
+    def set_compiled_attention(self, compiled: bool) -> None:
+        """Every NSA layer's `compiled` (see NSAAttention): False makes an uncompiled model run its
+        attention's glue eagerly too (`nsa-flex train --no-compile`)."""
+        check_compiled(compiled)
+        for module in self.modules():
+            if isinstance(module, NSAAttention):
+                module.compiled = compiled
 
     def num_params(self, *, embeddings: bool = True) -> int:
         """Parameters (shared ones once); without the input embedding if embeddings=False."""

@@ -11,6 +11,13 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def check_compiled(compiled) -> None:
+    """`compiled` of nsa_attention / NSAAttention: a bool (see nsa_flex.flex.compiled)."""
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled={compiled!r}: must be True (the flex path as one compiled graph per shape on "
+                        "CUDA) or False (eager glue around its compiled calls)")
+
+
 def check_inputs(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, block_indices=None,
                  cu_seqlens=None, k_win=None, v_win=None) -> None:
     named = {"q": q, "k": k, "v": v, "k_cmp": k_cmp, "v_cmp": v_cmp, "gates": gates}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nsa_flex import NSAConfig
+from nsa_flex.compression import compressed_seqlens
 from nsa_flex.flex import nsa_flex
 from nsa_flex.reference import nsa_reference, nsa_reference_varlen
 from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
@@ -49,12 +50,13 @@ def run(fn, x: dict, do: torch.Tensor, **kwargs):
     return o.detach(), grads, sel
 
 
-def errors(x: dict, cfg: NSAConfig, do: torch.Tensor, o, grads, sel) -> dict:
-    """{name: (flex error, tolerance)} for the output and every gradient."""
+def errors(x: dict, cfg: NSAConfig, do: torch.Tensor, o, grads, sel, reference=nsa_reference, **ref_kwargs) -> dict:
+    """{name: (flex error, tolerance)} for the output and every gradient (ref_kwargs: e.g. the
+    documents of nsa_reference_varlen)."""
     x64 = {n: t.detach().double().requires_grad_(True) for n, t in x.items()}
-    o64, g64, _ = run(nsa_reference, x64, do.double(), config=cfg, block_indices=sel)
+    o64, g64, _ = run(reference, x64, do.double(), config=cfg, block_indices=sel, **ref_kwargs)
     xlo = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-    olo, glo, _ = run(nsa_reference, xlo, do, config=cfg, block_indices=sel)
+    olo, glo, _ = run(reference, xlo, do, config=cfg, block_indices=sel, **ref_kwargs)
     eps = torch.finfo(o.dtype).eps
     out = {}
     for name, ours, ref, oracle in [("o", o, olo, o64)] + [(n, grads[n], glo[n], g64[n]) for n in GRAD_INPUTS]:
@@ -144,6 +146,29 @@ def test_compiled_whole_op_one_frame_no_recompile(Hkv, sel_impl):
             x = cuda_inputs(cfg, 1000, 1, BF16, seed=2 + step)
             run(compiled, x, do, config=cfg, tiles=tiles)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("T,B,documents", [(1111, 2, False), (333, 1, False), (1500, 1, True)],
+                         ids=["T1111-B2", "T333-second-shape", "T1500-documents"])
+def test_default_compiled_path_against_fp64_oracle(T, B, documents):
+    """nsa_attention's default on CUDA (one compiled graph per shape, nsa_flex.flex.compiled): output
+    and every gradient against the fp64 oracle, at a new shape each (each compiles its own graph)."""
+    from nsa_flex import nsa_attention
+
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=128, n_selected=16, window=512)
+    x = cuda_inputs(cfg, T, B, BF16, seed=T)
+    cu = torch.tensor([0, 700, T], device="cuda", dtype=torch.int32) if documents else None
+    if documents:
+        Tc = int(compressed_seqlens(cu, cfg)[-1])
+        x["k_cmp"] = x["k_cmp"][:, :Tc].detach().clone().requires_grad_(True)
+        x["v_cmp"] = x["v_cmp"][:, :Tc].detach().clone().requires_grad_(True)
+    do = torch.randn(B, T, 8, 128, device="cuda", dtype=BF16)
+    torch._dynamo.utils.counters.clear()
+    o, grads, sel = run(nsa_attention, x, do, config=cfg, impl="flex", return_indices=True, cu_seqlens=cu)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the default path did not compile"
+    docs = {"reference": nsa_reference_varlen, "cu_seqlens": cu,
+            "cu_seqlens_cmp": compressed_seqlens(cu, cfg)} if documents else {}
+    assert_within_tolerance(errors(x, cfg, do, o, grads, sel, **docs))
 
 
 def test_document_masking_equals_separate_documents():

@@ -55,11 +55,10 @@ class Defaults:
 
 
 DEFAULTS = {
-    # Check at 2048 > n * l' = 1024, so the selection really selects. nsa-flex runs with each
-    # Flex call compiled and the glue eager: the whole op under torch.compile(fullgraph=True)
-    # ran the 16k forward in 10 ms against about 13, but took 49 s to compile the forward and
-    # over 110 s more for forward+backward, per T and mode, on an H200 with torch 2.11
-    # (docs/records/op_first_call_time_h200.json): --compile measures it.
+    # Check at 2048 > n * l' = 1024, so the selection really selects. nsa-flex runs as
+    # nsa_attention does by default: on CUDA one compiled graph per shape (nsa_flex.flex.compiled);
+    # nsa-flex-eager is the same op with its glue eager, --compile puts it inside the caller's
+    # torch.compile(fullgraph=True).
     "cuda": Defaults("bench", (8192, 16384, 32768, 65536),
                      ("nsa-flex", "dense-cudnn", "dense-flash", "flex-dense", "fla", "lucidrains"),
                      "bf16", 3, 10, 2048, False),
@@ -90,7 +89,8 @@ class AttentionBenchConfig:
     module_dim: int = 1024
     """Model width of the module rows (nsa-flex-module, lucidrains)."""
     compile: bool = False
-    """nsa-flex runs as one torch.compile(fullgraph=True) graph; off: eager glue around compiled flex."""
+    """nsa-flex runs inside the caller's torch.compile(fullgraph=True); off: as nsa_attention runs by
+    default (on CUDA its own compiled graph per shape)."""
     seed: int = 0
     left_out: tuple[str, ...] = ()
     """Optional peers of the default list that were left out, with why."""

@@ -135,28 +135,32 @@ def _compiled_nsa_attention():
     return torch.compile(nsa_attention, fullgraph=True, dynamic=False)
 
 
-def _nsa_op(p: Problem, impl: str) -> tuple[Callable[..., object], str]:
-    if impl == "flex" and p.cfg.compile:
+def _nsa_op(p: Problem, impl: str, compiled: bool) -> tuple[Callable[..., object], str]:
+    """The op as a row calls it: inside the caller's fullgraph compile (--compile), or nsa_attention
+    itself, whose flex path compiles one graph per shape on CUDA (compiled=False: eager glue)."""
+    if impl == "flex" and p.cfg.compile and compiled:
         return _compiled_nsa_attention(), "whole op under torch.compile(fullgraph=True)"
+    if impl == "flex" and p.device.type == "cuda":
+        return nsa_attention, "nsa_attention's compiled flex path" if compiled else "eager glue (compiled=False)"
     return nsa_attention, ""
 
 
-def _nsa_op_build(impl: str) -> Callable[[Problem], Built]:
+def _nsa_op_build(impl: str, compiled: bool = True) -> Callable[[Problem], Built]:
     def build(p: Problem) -> Built:
         x = nsa_inputs(p, grad=p.grad)
-        op, note = _nsa_op(p, impl)
-        return Built(lambda: op(**x, config=p.cfg.nsa, impl=impl), list(x.values()), note)
+        op, note = _nsa_op(p, impl, compiled)
+        return Built(lambda: op(**x, config=p.cfg.nsa, impl=impl, compiled=compiled), list(x.values()), note)
     return build
 
 
-def _nsa_op_check(impl: str) -> Callable[[Problem], Check]:
+def _nsa_op_check(impl: str, compiled: bool = True) -> Callable[[Problem], Check]:
     def check(p: Problem) -> Check:
         cfg = p.cfg.nsa
         x = nsa_inputs(p, grad=False)
         x32 = {name: t.float() for name, t in x.items()}
-        op, _ = _nsa_op(p, impl)
+        op, _ = _nsa_op(p, impl, compiled)
         with torch.no_grad():
-            o, sel = op(**x, config=cfg, impl=impl, return_indices=True)
+            o, sel = op(**x, config=cfg, impl=impl, return_indices=True, compiled=compiled)
             # Same selection as the tested run, so a near-tie flipped by rounding is no error.
             ref = nsa_attention(**x32, config=cfg, impl="reference", block_indices=sel.long())
             _, own = nsa_attention(**x32, config=cfg, impl="reference", return_indices=True)
@@ -302,6 +306,9 @@ _DENSE = "dense causal (flops.py)"
 OWN_IMPLS = (
     Impl("nsa-flex", "nsa_attention(impl='flex'): FlexAttention + the selection op",
          _nsa_op_build("flex"), _nsa_op_check("flex"), nsa_fwd_flops, _NSA, cpu_forward_only=True),
+    Impl("nsa-flex-eager", "nsa_attention(impl='flex', compiled=False): eager glue around the compiled calls",
+         _nsa_op_build("flex", compiled=False), _nsa_op_check("flex", compiled=False), nsa_fwd_flops, _NSA,
+         cpu_forward_only=True),
     Impl("nsa-flex-module", "NSAAttention(impl='flex'): projections, phi, gates and the op",
          _module_build, _module_check, nsa_fwd_flops, _NSA + ", attention only", cpu_forward_only=True),
     Impl("reference", "nsa_attention(impl='reference'): dense masks, fp32 math, O(T^2) memory",

@@ -127,6 +127,8 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
             par.apply_activation_checkpointing(model)
         if run.compile:
             par.compile_blocks(model)
+        else:
+            model.set_compiled_attention(False)
         wrapped = par.parallelize(model, run.parallel, run.device, world)
         # 5. Optimizer, schedule, GradScaler (fp16); then resume everything a checkpoint holds.
         optimizer = build_optimizer(wrapped, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
