@@ -12,6 +12,18 @@ import torch
 from nsa_flex.config import NSAConfig
 
 
+def document_of(cu_seqlens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The document (index into cu_seqlens [n_docs + 1]) holding each position x (one document: zeros).
+
+    Searches the whole bounds tensor, never a slice of it: Inductor (torch 2.11) cannot lower
+    searchsorted over a sliced sequence (NotImplementedError: SliceView), which stopped the
+    compiled op with packed documents.
+    """
+    if cu_seqlens.shape[0] == 2:
+        return torch.zeros_like(x, dtype=torch.int64)
+    return (torch.searchsorted(cu_seqlens, x, right=True) - 1).clamp(0, cu_seqlens.shape[0] - 2)
+
+
 def num_cmp_blocks(T: int, config: NSAConfig) -> int:
     """Tc: complete compression blocks in a sequence of T tokens."""
     return max(0, (T - config.cmp_block) // config.cmp_stride + 1)

@@ -52,7 +52,7 @@ def test_compile_failure_runs_eagerly_with_one_warning(monkeypatch):
 
     def fn(x, scale=1.0):
         calls["eager"] += 1
-        return x * scale
+        return x * (1.0 if scale is None else scale)
 
     def broken(fn):
         def call(*args, **kwargs):
@@ -73,7 +73,11 @@ def test_compile_failure_runs_eagerly_with_one_warning(monkeypatch):
     assert calls == {"compiled": 1, "eager": 2}
     # compiled=False never tries.
     compiled_path.run(fn, False, x)
-    assert calls["compiled"] == 1
+    assert calls == {"compiled": 1, "eager": 3}
+    # Other optional inputs given: a separate graph, tried once more.
+    with pytest.warns(UserWarning, match="runs eagerly from now on"):
+        compiled_path.run(fn, True, x, scale=None)
+    assert calls == {"compiled": 2, "eager": 4}
 
 
 def test_compiled_call_used_when_wanted(monkeypatch):

@@ -9,6 +9,8 @@ so a tie broken differently in low precision cannot change the comparison.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -164,7 +166,10 @@ def test_default_compiled_path_against_fp64_oracle(T, B, documents):
         x["v_cmp"] = x["v_cmp"][:, :Tc].detach().clone().requires_grad_(True)
     do = torch.randn(B, T, 8, 128, device="cuda", dtype=BF16)
     torch._dynamo.utils.counters.clear()
-    o, grads, sel = run(nsa_attention, x, do, config=cfg, impl="flex", return_indices=True, cu_seqlens=cu)
+    with warnings.catch_warnings():
+        # The eager fallback after a compiler failure (nsa_flex.flex.compiled) fails the test.
+        warnings.filterwarnings("error", message=".*runs eagerly from now on")
+        o, grads, sel = run(nsa_attention, x, do, config=cfg, impl="flex", return_indices=True, cu_seqlens=cu)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the default path did not compile"
     docs = {"reference": nsa_reference_varlen, "cu_seqlens": cu,
             "cu_seqlens_cmp": compressed_seqlens(cu, cfg)} if documents else {}

@@ -140,7 +140,7 @@ def _nsa_op(p: Problem, impl: str, compiled: bool) -> tuple[Callable[..., object
     itself, whose flex path compiles one graph per shape on CUDA (compiled=False: eager glue)."""
     if impl == "flex" and p.cfg.compile and compiled:
         return _compiled_nsa_attention(), "whole op under torch.compile(fullgraph=True)"
-    if impl == "flex" and p.device.type == "cuda":
+    if impl == "flex" and torch.device(p.device).type == "cuda":
         return nsa_attention, "nsa_attention's compiled flex path" if compiled else "eager glue (compiled=False)"
     return nsa_attention, ""
 

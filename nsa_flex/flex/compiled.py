@@ -9,7 +9,8 @@ where the GPU work is short (docs/results.md). Compiled, Inductor fuses that glu
 outer torch.compile is tracing (that one fuses the glue itself). Each new shape compiles once
 (dynamic=False: the index and the masks are sized by the shapes). Past Dynamo's recompile limit
 (8 shapes a process by default) new shapes run eagerly with Dynamo's warning, and a compiler
-failure makes fn run eagerly from then on, with a warning (same result, more host time).
+failure makes fn run eagerly from then on (for calls giving the same optional inputs), with a
+warning (same result, more host time).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from nsa_flex.validate import check_compiled
 
-# Functions whose compile failed in this process: they run eagerly.
-_FAILED: set[str] = set()
+# (function, optional inputs given) whose compile failed in this process: they run eagerly.
+_FAILED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def wanted(compiled: bool, x: torch.Tensor) -> bool:
@@ -44,7 +45,9 @@ def _compiled(fn: Callable) -> Callable:
 
 def run(fn: Callable, compiled: bool, *args, **kwargs):
     """fn(*args, **kwargs), compiled where `wanted` says so (see the module docstring)."""
-    name = f"{fn.__module__}.{fn.__qualname__}"
+    # A failure is remembered per function and set of optional inputs given (packed documents
+    # compile other code than one sequence per row).
+    name = (f"{fn.__module__}.{fn.__qualname__}", tuple(sorted(k for k, v in kwargs.items() if v is not None)))
     if not wanted(compiled, args[0]) or name in _FAILED:
         return fn(*args, **kwargs)
     from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nsa_flex.blocks import document_of
+
 
 @dataclass(frozen=True)
 class Documents:
@@ -29,6 +31,6 @@ class Documents:
 def documents(cu_seqlens: torch.Tensor, cu_seqlens_cmp: torch.Tensor, T: int, Tc: int) -> Documents:
     cu, cu_c = cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)
     device = cu.device
-    q_doc = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
-    c_doc = torch.searchsorted(cu_c[1:], torch.arange(Tc, device=device), right=True)
+    q_doc = document_of(cu, torch.arange(T, device=device))
+    c_doc = document_of(cu_c, torch.arange(Tc, device=device))
     return Documents(q_doc=q_doc, q_start=cu[q_doc], c_doc=c_doc, c_start=cu_c[c_doc], cmp_start_of_q=cu_c[q_doc])

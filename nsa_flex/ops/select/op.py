@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from nsa_flex.blocks import cmp_to_sel_weights, num_sel_blocks, top_n_blocks
+from nsa_flex.blocks import cmp_to_sel_weights, document_of, num_sel_blocks, top_n_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops.select import kernels
 from nsa_flex.ops.triton_utils import quiet_without_triton
@@ -125,7 +125,7 @@ def _select_torch(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, confi
         t_local, cmp_start, cmp_len = t, None, torch.full_like(t, Tc)
     else:
         cu, cu_cmp = cu_seqlens.long(), cu_seqlens_cmp.long()
-        doc = torch.searchsorted(cu[1:], t, right=True).clamp(max=cu.shape[0] - 2)
+        doc = document_of(cu, t)
         t_local, cmp_start = t - cu[doc], cu_cmp[doc]
         cmp_len = cu_cmp[doc + 1] - cmp_start
     # Compression block i of the token's document vs selection block j, both document-local.

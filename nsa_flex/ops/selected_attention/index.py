@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from nsa_flex.blocks import document_of
+
 
 class SelectionIndex(NamedTuple):
     """CSR of the selection, grouped by (batch, kv head, virtual block).
@@ -82,7 +84,7 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     blk_start, blk_end = _virtual_blocks(cu, last_blk, first_blk, Nv, sel_block)
 
     t = torch.arange(T, device=device) if positions is None else positions
-    doc_t = _document_of(cu, t)
+    doc_t = document_of(cu, t)
     j = block_indices.long()
     # A block listed twice in one row counts once (the reference's mask is a set): later copies
     # read nothing. n x n compares per row, no sort, so the compiled index stays plain pointwise.
@@ -142,17 +144,6 @@ def _bounds(cu_seqlens: Tensor | None, T: int, device) -> Tensor:
         # Made on the device: a host tensor copied in would wait for the stream (a sync per call).
         return torch.arange(2, dtype=torch.int64, device=device) * T
     return cu_seqlens.to(device=device, dtype=torch.int64)
-
-
-def _document_of(cu: Tensor, x: Tensor) -> Tensor:
-    """The document holding each position x (one document: zeros, no search).
-
-    Searches the whole bounds tensor, never a slice of it: Inductor (torch 2.11) cannot lower
-    searchsorted over a sliced sequence (it raises on SliceView).
-    """
-    if cu.shape[0] == 2:
-        return torch.zeros_like(x)
-    return (torch.searchsorted(cu, x, right=True) - 1).clamp(0, cu.shape[0] - 2)
 
 
 def _virtual_blocks(cu: Tensor, last_blk: Tensor, first_blk: Tensor, Nv: int, sel_block: int):

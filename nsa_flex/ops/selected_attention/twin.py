@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nsa_flex.blocks import document_of
 from nsa_flex.ops.selected_attention.index import _bounds
 
 # Score elements (B * Hq * rows * T) held at once.
@@ -86,7 +87,7 @@ def _chunks(block_indices, cu_seqlens, sel_block: int, per_row: int):
     device = block_indices.device
     cu = _bounds(cu_seqlens, T, device)
     s = torch.arange(T, device=device)
-    doc = torch.searchsorted(cu[1:], s, right=True).clamp(max=cu.shape[0] - 2)
+    doc = document_of(cu, s)
     key_blk = (s - cu[doc]) // sel_block
     Ns = -(-T // sel_block)
     rows = max(1, _CHUNK_ELEMENTS // max(1, per_row))
