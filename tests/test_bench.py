@@ -82,7 +82,7 @@ runner = CliRunner()
 
 
 @pytest.mark.parametrize("args, message", [
-    pytest.param(["--impls", "nsa-flex,foo"], "allowed: nsa-flex, nsa-flex-module, reference", id="impl"),
+    pytest.param(["--impls", "nsa-flex,foo"], "allowed: nsa-flex, nsa-flex-eager, nsa-flex-module, reference", id="impl"),
     pytest.param(["-T", "8x"], "expected comma-separated positive integers", id="T-syntax"),
     pytest.param(["-T", "0"], "expected comma-separated positive integers", id="T-zero"),
     pytest.param(["--device", "cpu", "-T", "100000"], "allowed: 1 <= T <= 16384", id="T-too-long-on-cpu"),
