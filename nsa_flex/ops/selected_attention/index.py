@@ -62,7 +62,7 @@ def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
 
 
 def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None,
-                positions: Tensor | None = None, seq_len: int | None = None) -> SelectionIndex:
+                positions: Tensor | None = None, seq_len: int | None = None, skip_local: bool = False) -> SelectionIndex:
     """The SelectionIndex of block_indices [B, Hkv, T, n] (document-local ids with cu_seqlens, B == 1).
 
     Slots with -1, or with a block past the end of the token's document, read nothing. A token
@@ -70,6 +70,10 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     tokens (default: the whole sequence, arange(T)); entries stay local (t - positions[0]) and
     the virtual blocks span the whole sequence. positions is a tensor, not an offset, so a
     compiled index serves every range of one length without recompiling.
+
+    skip_local (one sequence, positions given): the slots of a token's local blocks (0, own - 1
+    and own, own = position // l'; the rule _local_merge_kernel applies to the same ids) keep
+    their gid but get no entry: the forward's merge attends them itself.
     """
     B, Hkv, T, n = block_indices.shape
     device = block_indices.device
@@ -93,6 +97,13 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     ok = (j >= 0) & ~repeat & (j * sel_block < lens[doc_t][:, None])
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
 
+    listed = ok
+    if skip_local:
+        if cu_seqlens is not None or positions is None:
+            raise ValueError("build_index(skip_local=True) serves one sequence per batch row, with positions")
+        own = (positions // sel_block)[:, None]
+        listed = ok & (j != 0) & (j != own - 1) & (j != own)
+
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.
     rows = B * Hkv * Nv
     bh = torch.arange(B * Hkv, device=device).view(B, Hkv, 1, 1)
@@ -100,7 +111,7 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     # keys (up to 32767 rows: B * Hkv * ceil(T / l') at 64k, l' = 64 is 1025 per kv head) sort in
     # 2 passes against 8 for int64.
     key_dtype = torch.int16 if rows < 2 ** 15 - 1 else torch.int32
-    key = torch.where(ok, bh * Nv + gid, rows).flatten().to(key_dtype)
+    key = torch.where(listed, bh * Nv + gid, rows).flatten().to(key_dtype)
     sorted_key, order = torch.sort(key, stable=True)
     # The flat position of an entry is ((b * Hkv + h) * T + t) * n + slot: its low part is t * n + slot.
     entries = (order % (T * n)).to(torch.int32)
