@@ -190,20 +190,22 @@ def test_index_matches_dense(B, Hkv, T, n, L, cu):
 
 @pytest.mark.parametrize("t0", [0, 48], ids=["whole", "range-from-48"])
 def test_index_skip_local_lists_only_the_other_blocks(t0):
-    """skip_local: the slots of blocks 0, own - 1 and own keep their gid and get no entry; every
-    other slot is listed as without it (a token range: own from the absolute position)."""
+    """skip_local: the slots of blocks 0, own - 1 and own get no entry and only the first of them
+    keeps its gid (where the local partial goes); every other slot is as without it (a token
+    range: own from the absolute position)."""
     B, Hkv, T, n, L = 1, 2, 70, 5, 16
     bi = random_selection(B, Hkv, t0 + T, n, L, seed=5)[:, :, t0:]
     positions = torch.arange(t0, t0 + T)
     plain = build_index(bi.int(), L, None, positions, t0 + T)
     index = build_index(bi.int(), L, None, positions, t0 + T, skip_local=True)
-    assert torch.equal(index.gid_bhtn, plain.gid_bhtn)
-    Nv = num_virtual_blocks(t0 + T, L, 1)
-    kept = plain.gid_bhtn.clone()
     own = (positions // L).view(1, 1, T, 1)
-    kept[(kept == 0) | (kept == own - 1) | (kept == own)] = -1
-    assert (kept >= 0).any() and ((kept < 0) & (plain.gid_bhtn >= 0)).any()
-    rows = dense_rows(kept, Nv)
+    gid = plain.gid_bhtn
+    local = (gid >= 0) & ((gid == 0) | (gid == own - 1) | (gid == own))
+    first = local & (local.int().cumsum(-1) == 1)
+    assert local.any() and (local & ~first).any() and (gid[~local] >= 0).any()
+    assert torch.equal(index.gid_bhtn, torch.where(local & ~first, -1, gid))
+    Nv = num_virtual_blocks(t0 + T, L, 1)
+    rows = dense_rows(torch.where(local, -1, gid), Nv)
     for r in range(B * Hkv * Nv):
         got = index.entries[index.offsets[r]: index.offsets[r] + index.counts[r]].tolist()
         assert got == rows.get((r // (Hkv * Nv), (r // Nv) % Hkv, r % Nv), [])
@@ -211,32 +213,32 @@ def test_index_skip_local_lists_only_the_other_blocks(t0):
         build_index(bi.int(), L, torch.tensor([0, T]), positions, t0 + T, skip_local=True)
 
 
-def test_local_merge_tile_rule():
-    """The local merge runs where a tile's tokens share their local blocks, with >= 16 rows."""
+def test_local_tile_rule():
+    """The local partial is made where a tile's tokens share their local blocks, with >= 16 rows."""
     cfg = launch.launch_config(4, 128, 128, torch.bfloat16)  # fwd_BT 16: 64 rows
-    assert launch.local_merge_tile(cfg, 4, 64, 1000, 1000, None) == 16
-    assert launch.local_merge_tile(cfg, 4, 64, 1000, 1000, torch.tensor([0, 1000])) == 0  # documents
-    assert launch.local_merge_tile(cfg, 4, 64, 1000, 100, None) == 0  # ranges starting mid-tile
-    assert launch.local_merge_tile(cfg, 4, 64, 1000, 128, None) == 16
-    assert launch.local_merge_tile(cfg, 4, 8, 1000, 1000, None) == 8  # tiles inside an 8-token block
-    assert launch.local_merge_tile(cfg, 4, 2, 1000, 1000, None) == 0  # 8 rows: under tl.dot's 16
-    assert launch.local_merge_tile({**cfg, "fwd_local": 0}, 4, 64, 1000, 1000, None) == 0
+    assert launch.local_tile(cfg, 4, 64, 1000, 1000, None) == 16
+    assert launch.local_tile(cfg, 4, 64, 1000, 1000, torch.tensor([0, 1000])) == 0  # documents
+    assert launch.local_tile(cfg, 4, 64, 1000, 100, None) == 0  # ranges starting mid-tile
+    assert launch.local_tile(cfg, 4, 64, 1000, 128, None) == 16
+    assert launch.local_tile(cfg, 4, 8, 1000, 1000, None) == 8  # tiles inside an 8-token block
+    assert launch.local_tile(cfg, 4, 2, 1000, 1000, None) == 0  # 8 rows: under tl.dot's 16
+    assert launch.local_tile({**cfg, "fwd_local": 0}, 4, 64, 1000, 1000, None) == 0
 
 
 @interpreter
 @pytest.mark.parametrize("T, G, L, R", [(150, 4, 16, 0), (131, 2, 32, 64), (77, 1, 16, 0)],
                          ids=["G4-l16", "G2-l32-ranges", "G1-l16"])
-def test_kernels_interpreted_local_merge_equals_plain_merge(T, G, L, R, poisoned):
-    """The forward with the local blocks attended in its merge (the default for one sequence)
-    gives the plain merge's o and lse (both fp32 merges of the same softmax pieces), and both
-    the oracle's."""
+def test_kernels_interpreted_local_partial_equals_one_per_block(T, G, L, R, poisoned):
+    """The forward with one partial for the local blocks (the default for one sequence) gives the
+    o and lse of one partial per block (the same softmax pieces, merged in another order), and
+    both the oracle's."""
     cfg = make_config(G, 32, 24, 5, L)
     q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=T)
     bi = random_selection(1, 2, T, 5, L, seed=T + 2).int()
     tiles = dict(range_tokens=R) if R else {}
     got = launch.forward(q, k, v, bi, None, 0.25, L, tiles)
     plain = launch.forward(q, k, v, bi, None, 0.25, L, {**tiles, "fwd_local": 0})
-    assert launch.local_merge_tile(launch._tiles(q, k, v, tiles), G, L, T, R or T, None) > 0
+    assert launch.local_tile(launch._tiles(q, k, v, tiles), G, L, T, R or T, None) > 0
     torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-6)
     check(run_kernels(q, k, v, do, bi, cfg, tiles=tiles), q, k, v, do, bi, cfg)

@@ -72,8 +72,9 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     compiled index serves every range of one length without recompiling.
 
     skip_local (one sequence, positions given): the slots of a token's local blocks (0, own - 1
-    and own, own = position // l'; the rule _local_merge_kernel applies to the same ids) keep
-    their gid but get no entry: the forward's merge attends them itself.
+    and own, own = position // l'; the rule _local_kernel applies to the same ids) get no
+    entry, and only the first of them keeps its gid: _local_kernel writes one partial for all
+    of them there, and the slot merge reads it with the others.
     """
     B, Hkv, T, n = block_indices.shape
     device = block_indices.device
@@ -102,7 +103,10 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
         if cu_seqlens is not None or positions is None:
             raise ValueError("build_index(skip_local=True) serves one sequence per batch row, with positions")
         own = (positions // sel_block)[:, None]
-        listed = ok & (j != 0) & (j != own - 1) & (j != own)
+        local = ok & ((j == 0) | (j == own - 1) | (j == own))
+        listed = ok & ~local
+        first_local = local & (torch.cumsum(local.int(), -1) == 1)
+        gid = torch.where(local & ~first_local, -1, gid)
 
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.
     rows = B * Hkv * Nv

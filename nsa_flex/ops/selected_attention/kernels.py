@@ -8,9 +8,9 @@ per token as in the token-centric loop.
 
 Forward: each (token, slot) gets a block-local softmax, partial o (normalised, in the partial
 buffer's dtype) and partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel
-merges a token's n partials in fp32. With one sequence per batch row, _local_merge_kernel
-instead attends the token's local blocks (0, own - 1, own: the same keys for a tile of tokens)
-itself and merges the other slots' partials, so those three slots never make a partial. Backward: P = exp(S - lse) from the global lse, dV and dK
+merges a token's n partials in fp32. With one sequence per batch row, _local_kernel attends
+a token's local blocks (0, own - 1, own: the same keys for a tile of tokens) in one softmax and
+writes one partial for the three, which the block-centric kernel then skips. Backward: P = exp(S - lse) from the global lse, dV and dK
 accumulate in registers over the item's chunks and go to an fp32 partial per item, summed per
 block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to a partial per
 (token, slot), summed over the slots in fp32 by _slot_kernel.
@@ -121,29 +121,25 @@ if HAS_TRITON:
                 tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
 
     @triton.jit
-    def _local_merge_kernel(
-        q_ptr, k_ptr, v_ptr, part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, T0, seq_len, Hkv, n_tiles, scale,
+    def _local_kernel(
+        q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, bi_ptr, gid_ptr, T, T0, seq_len, Hkv, n_tiles, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-        sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
-        so_b, so_t, so_h, sl_b, sl_h, sl_t,
+        so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, sb_b, sb_h, sb_t, sg_b, sg_h, sg_t,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         SEL_BLOCK: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """The forward's merge for one tile of BT tokens and kv head h of the range (one sequence per
-        batch row), with the local blocks attended here instead of through partials.
+        """One partial for all local blocks of a tile of BT tokens and kv head h (one sequence per row).
 
-        The local blocks of a token in selection block `own` are 0, own - 1 and own (the blocks
-        every token reads by the paper's rule; here simply the ids, so any selection is served):
-        the tile's BT tokens lie in one selection block and share them, so one program loads
-        their keys once for M = BT * G' rows and runs one online softmax over those of the three
-        each row's token selected (causal inside its own block). The index left these slots out
-        of the block-centric kernel (index.build_index, skip_local), whose partials for the
-        other slots are then merged in fp32 by their lse. Writes o and the global lse (natural
-        log, -inf when the row saw no key) at token T0 + t.
+        The local blocks of a token in selection block `own` are 0, own - 1 and own (by id, the
+        rule of index.build_index's skip_local). The tile's tokens lie in one selection block and
+        share them, so the program loads their keys once for M = BT * G' rows and runs one online
+        softmax over those of the three each row's token selected (bi [B, Hkv, T', n]), causal
+        inside the own block. The result (normalised o, lse base 2) goes to the one local slot
+        the forward's index kept (gid >= 0; the others are -1 there and never written), so the
+        slot merge takes it like any partial while the block-centric kernel skipped all three.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
-        LN2: tl.constexpr = 0.6931471805599453
         pid = tl.program_id(0)
         tile = pid % n_tiles
         h = (pid // n_tiles) % Hkv
@@ -155,66 +151,58 @@ if HAS_TRITON:
         hq = h * G + g
         pos = T0 + t
         own = (T0 + tile * BT) // SEL_BLOCK
-        dk = tl.arange(0, DKP)
-        dv = tl.arange(0, DVP)
-        scale2 = tl.cast(scale * LOG2E, tl.float32)
-        q_md = tl.load(q_ptr + b * sq_b + pos[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
-                       mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        # The slot that carries the local partial: the one local slot the index kept.
         gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
-        m = tl.full([BT * GP], float("-inf"), tl.float32)
-        l = tl.zeros([BT * GP], tl.float32)
-        acc = tl.zeros([BT * GP, DVP], tl.float32)
-        # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0.
-        for which in tl.static_range(3):
-            if which == 0:
-                blk = own * 0
-                exists = own >= 0
-            elif which == 1:
-                blk = own - 1
-                exists = own >= 2
-            else:
-                blk = own
-                exists = own >= 1
-            chosen = tl.zeros([BT * GP], tl.int32)
-            for slot in tl.static_range(N):
-                chosen = chosen | (tl.load(gid_row + slot, mask=row_ok, other=-1) == blk).to(tl.int32)
-            use = row_ok & (chosen > 0) & exists
-            if tl.max(use.to(tl.int32), axis=0) > 0:
-                key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, blk * SEL_BLOCK,
-                                                    tl.minimum(blk * SEL_BLOCK + SEL_BLOCK, seq_len), sk_b, sk_t,
-                                                    sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV, DVP)
-                s = dot(q_md, tl.trans(k_ld), F32_DOT, IEEE) * scale2
-                vis = use[:, None] & key_ok[None, :] & (key[None, :] <= pos[:, None])
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.math.exp2(m - m_ref)
-                p = tl.math.exp2(s - m_ref[:, None])
-                l = l * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
-                m = m_new
-        # The other slots' partials (normalised o, lse base 2), skipping the local and unused ones.
-        prow = b * sp_b + t * sp_t + hq * sp_h
-        lrow = b * spl_b + t * spl_t + hq * spl_h
+        dest = tl.full([BT * GP], -1, tl.int32)
         for slot in tl.static_range(N):
             gs = tl.load(gid_row + slot, mask=row_ok, other=-1)
-            local = (gs == 0) | (gs == own - 1) | (gs == own)
-            use = row_ok & (gs >= 0) & ~local
-            plse = tl.load(plse_ptr + lrow + slot, mask=use, other=float("-inf"))
-            part = tl.load(part_ptr + prow[:, None] + slot * sp_n + dv[None, :],
-                           mask=use[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-            m_new = tl.maximum(m, plse)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m - m_ref)
-            w = tl.math.exp2(plse - m_ref)
-            l = l * alpha + w
-            acc = acc * alpha[:, None] + part * w[:, None]
-            m = m_new
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        lse = tl.where(l > 0, (m + tl.math.log2(tl.where(l > 0, l, 1.0))) * LN2, float("-inf"))
-        tl.store(lse_ptr + b * sl_b + hq * sl_h + pos * sl_t, lse, mask=row_ok)
-        tl.store(out_ptr + b * so_b + pos[:, None] * so_t + hq[:, None] * so_h + dv[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+            dest = tl.where((gs >= 0) & ((gs == 0) | (gs == own - 1) | (gs == own)), slot, dest)
+        row_ok = row_ok & (dest >= 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) > 0:
+            dk = tl.arange(0, DKP)
+            dv = tl.arange(0, DVP)
+            scale2 = tl.cast(scale * LOG2E, tl.float32)
+            q_md = tl.load(q_ptr + b * sq_b + pos[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
+                           mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+            bi_row = bi_ptr + b * sb_b + h * sb_h + t * sb_t
+            m = tl.full([BT * GP], float("-inf"), tl.float32)
+            l = tl.zeros([BT * GP], tl.float32)
+            acc = tl.zeros([BT * GP, DVP], tl.float32)
+            # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0.
+            for which in tl.static_range(3):
+                if which == 0:
+                    blk = own * 0
+                    exists = own >= 0
+                elif which == 1:
+                    blk = own - 1
+                    exists = own >= 2
+                else:
+                    blk = own
+                    exists = own >= 1
+                chosen = tl.zeros([BT * GP], tl.int32)
+                for slot in tl.static_range(N):
+                    chosen = chosen | (tl.load(bi_row + slot, mask=row_ok, other=-1) == blk).to(tl.int32)
+                use = row_ok & (chosen > 0) & exists
+                if tl.max(use.to(tl.int32), axis=0) > 0:
+                    key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, blk * SEL_BLOCK,
+                                                        tl.minimum(blk * SEL_BLOCK + SEL_BLOCK, seq_len), sk_b,
+                                                        sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV, DVP)
+                    s = dot(q_md, tl.trans(k_ld), F32_DOT, IEEE) * scale2
+                    vis = use[:, None] & key_ok[None, :] & (key[None, :] <= pos[:, None])
+                    s = tl.where(vis, s, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(s, axis=1))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.math.exp2(m - m_ref)
+                    p = tl.math.exp2(s - m_ref[:, None])
+                    l = l * alpha + tl.sum(p, axis=1)
+                    acc = acc * alpha[:, None] + dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
+                    m = m_new
+            o = acc / tl.where(l > 0, l, 1.0)[:, None]
+            lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+            row = b * so_b + t * so_t + hq * so_h + dest * so_n
+            tl.store(po_ptr + row[:, None] + dv[None, :], o.to(po_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (dv[None, :] < DV))
+            tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + dest, lse, mask=row_ok)
 
     @triton.jit
     def _bwd_kernel(

@@ -61,8 +61,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     (docs/decisions.md).
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
-    fwd_local 1: the forward attends each token's local blocks (0, own - 1, own) in its merge
-    kernel where it can (local_merge_tile), 0: through partials like every other slot.
+    fwd_local 1: the forward attends each token's local blocks (0, own - 1, own) together, in
+    one partial of _local_kernel where it can (local_tile), 0: one partial per block like
+    every other slot.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -150,8 +151,8 @@ def _ranges(T: int, R: int):
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
 
 
-def local_merge_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) -> int:
-    """Tokens per program of _local_merge_kernel, or 0 where the forward merges plainly.
+def local_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) -> int:
+    """Tokens per program of _local_kernel, or 0 where the local blocks go through partials each.
 
     A tile's tokens must share their local blocks: one sequence per batch row (documents move
     the blocks), a power of two of tokens dividing l' and every range start (multiples of R
@@ -171,12 +172,13 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     cfg = _tiles(q, k, v, tiles)
     consts = _constexprs(q, k, v, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
-    local_bt = local_merge_tile(cfg, Hq // Hkv, sel_block, T, R, cu_seqlens)
+    local_bt = local_tile(cfg, Hq // Hkv, sel_block, T, R, cu_seqlens)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
-        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
-                                       cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T, skip_local=local_bt > 0)
+        bi_range = _range_of(block_indices, t0, t1)
+        index, items = index_and_items(bi_range, sel_block, cu_seqlens, cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T,
+                                       skip_local=local_bt > 0)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -187,25 +189,24 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
                 **_launch(cfg, "fwd"))
         if local_bt:
-            _local_merge(q, k, v, po, plse, index, o, lse, t0, T, scale, sel_block, {**consts, "BT": local_bt},
-                         cfg)
-        else:
-            _slot_sum(po, plse, index, o, lse, t0, merge=True)
+            _local_partial(q, k, v, po, plse, bi_range, index, t0, T, scale, sel_block,
+                           {**consts, "BT": local_bt}, cfg)
+        _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
 
-def _local_merge(q, k, v, po, plse, index: SelectionIndex, o, lse, t0: int, seq_len: int, scale: float,
-                 sel_block: int, consts: dict, cfg: dict) -> None:
-    """o and lse of the range [t0, t0 + T') by _local_merge_kernel: local blocks attended, other slots merged."""
+def _local_partial(q, k, v, po, plse, bi_range, index: SelectionIndex, t0: int, seq_len: int, scale: float,
+                   sel_block: int, consts: dict, cfg: dict) -> None:
+    """The range [t0, t0 + T')'s local blocks, one partial per (token, query head) by _local_kernel."""
     B, Tr, Hq, n, Dv = po.shape
     Hkv = k.shape[2]
     if B * Tr * Hq == 0:
         return
     gid = index.gid_bhtn
     n_tiles = -(-Tr // consts["BT"])
-    wrap_triton(kernels._local_merge_kernel)[(B * Hkv * n_tiles,)](
-        q, k, v, po, plse, gid, o, lse, Tr, t0, seq_len, Hkv, n_tiles, scale, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *gid.stride()[:3], *o.stride()[:3], *lse.stride(),
+    wrap_triton(kernels._local_kernel)[(B * Hkv * n_tiles,)](
+        q, k, v, po, plse, bi_range, gid, Tr, t0, seq_len, Hkv, n_tiles, scale, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *bi_range.stride()[:3], *gid.stride()[:3],
         N=n, G=consts["G"], GP=consts["GP"], BT=consts["BT"], BL=consts["BL"], SEL_BLOCK=sel_block,
         DK=consts["DK"], DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], F32_DOT=consts["F32_DOT"],
         IEEE=consts["IEEE"], num_warps=cfg["fwd_warps"], num_stages=2)
