@@ -43,7 +43,7 @@ VARIANTS = {
     "bwd_M128_warps4": {"bwd_BT": 32, "bwd_chunks": 16, "bwd_warps": 4},
     "bwd_M128_warps8": {"bwd_BT": 32, "bwd_chunks": 16, "bwd_warps": 8},
     "fwd_stages2": {"fwd_stages": 2},
-    "fwd_plain_merge": {"fwd_local": 0},
+    "fwd_local_per_block": {"fwd_local": 0},
     "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
 }
