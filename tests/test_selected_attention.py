@@ -204,6 +204,17 @@ def test_index_skip_local_lists_only_the_other_blocks(t0):
     first = local & (local.int().cumsum(-1) == 1)
     assert local.any() and (local & ~first).any() and (gid[~local] >= 0).any()
     assert torch.equal(index.gid_bhtn, torch.where(local & ~first, -1, gid))
+    # local_info: 8 * the kept local slot + which local blocks (0; own - 1 when not 0; own when not 0).
+    for h in range(Hkv):
+        for t in range(T):
+            o = int(own[0, 0, t, 0])
+            ids = {int(j) for j, keep in zip(gid[0, h, t], local[0, h, t]) if keep}
+            want = -1
+            if ids:
+                slot = int(first[0, h, t].int().argmax())
+                want = 8 * slot + (0 in ids) + 2 * (o >= 2 and o - 1 in ids) + 4 * (o >= 1 and o in ids)
+            assert int(index.local_info[0, h, t]) == want, (h, t)
+    assert plain.local_info is None
     Nv = num_virtual_blocks(t0 + T, L, 1)
     rows = dense_rows(torch.where(local, -1, gid), Nv)
     for r in range(B * Hkv * Nv):
@@ -215,11 +226,11 @@ def test_index_skip_local_lists_only_the_other_blocks(t0):
 
 def test_local_tile_rule():
     """The local partial is made where a tile's tokens share their local blocks, with >= 16 rows."""
-    cfg = launch.launch_config(4, 128, 128, torch.bfloat16)  # fwd_BT 16: 64 rows
-    assert launch.local_tile(cfg, 4, 64, 1000, 1000, None) == 16
+    cfg = launch.launch_config(4, 128, 128, torch.bfloat16)  # fwd_BT 16: 2 * 64 rows
+    assert launch.local_tile(cfg, 4, 64, 1000, 1000, None) == 32
     assert launch.local_tile(cfg, 4, 64, 1000, 1000, torch.tensor([0, 1000])) == 0  # documents
     assert launch.local_tile(cfg, 4, 64, 1000, 100, None) == 0  # ranges starting mid-tile
-    assert launch.local_tile(cfg, 4, 64, 1000, 128, None) == 16
+    assert launch.local_tile(cfg, 4, 64, 1000, 128, None) == 32
     assert launch.local_tile(cfg, 4, 8, 1000, 1000, None) == 8  # tiles inside an 8-token block
     assert launch.local_tile(cfg, 4, 2, 1000, 1000, None) == 0  # 8 rows: under tl.dot's 16
     assert launch.local_tile({**cfg, "fwd_local": 0}, 4, 64, 1000, 1000, None) == 0

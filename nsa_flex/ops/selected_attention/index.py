@@ -40,6 +40,10 @@ class SelectionIndex(NamedTuple):
     """[Nv] int32: first key token of each virtual block."""
     blk_end: Tensor
     """[Nv] int32: one past its last key token (blk_start == blk_end for spare blocks)."""
+    local_info: Tensor | None = None
+    """skip_local only, [B, Hkv, T] int32: 8 * (the slot that carries the token's local partial)
+    + which local blocks it selected (bit 0: block 0, 1: own - 1 when not 0, 2: own when not 0);
+    -1 where it selected none."""
 
 
 class WorkList(NamedTuple):
@@ -98,7 +102,7 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     ok = (j >= 0) & ~repeat & (j * sel_block < lens[doc_t][:, None])
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
 
-    listed = ok
+    listed, local_info = ok, None
     if skip_local:
         if cu_seqlens is not None or positions is None:
             raise ValueError("build_index(skip_local=True) serves one sequence per batch row, with positions")
@@ -107,6 +111,10 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
         listed = ok & ~local
         first_local = local & (torch.cumsum(local.int(), -1) == 1)
         gid = torch.where(local & ~first_local, -1, gid)
+        bits = ((local & (j == 0)).any(-1).int() + 2 * (local & (j == own - 1) & (own >= 2)).any(-1).int()
+                + 4 * (local & (j == own) & (own >= 1)).any(-1).int())
+        dest = (first_local.int() * torch.arange(n, device=device, dtype=torch.int32)).sum(-1)
+        local_info = torch.where(local.any(-1), 8 * dest + bits, -1).to(torch.int32)
 
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.
     rows = B * Hkv * Nv
@@ -125,7 +133,7 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     offsets = bounds[:rows]
     counts = bounds[1:] - offsets
     return SelectionIndex(gid.to(torch.int32), counts.to(torch.int32), offsets.to(torch.int32), entries,
-                          blk_start, blk_end)
+                          blk_start, blk_end, local_info)
 
 
 def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:

@@ -122,10 +122,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _local_kernel(
-        q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, bi_ptr, gid_ptr, T, T0, seq_len, Hkv, n_tiles, scale,
+        q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, info_ptr, T, T0, seq_len, Hkv, n_tiles, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-        so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, sb_b, sb_h, sb_t, sg_b, sg_h, sg_t,
-        N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
+        so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, si_b, si_h, si_t,
+        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         SEL_BLOCK: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
@@ -134,10 +134,11 @@ if HAS_TRITON:
         The local blocks of a token in selection block `own` are 0, own - 1 and own (by id, the
         rule of index.build_index's skip_local). The tile's tokens lie in one selection block and
         share them, so the program loads their keys once for M = BT * G' rows and runs one online
-        softmax over those of the three each row's token selected (bi [B, Hkv, T', n]), causal
-        inside the own block. The result (normalised o, lse base 2) goes to the one local slot
-        the forward's index kept (gid >= 0; the others are -1 there and never written), so the
-        slot merge takes it like any partial while the block-centric kernel skipped all three.
+        softmax over those of the three each row's token selected (info [B, Hkv, T']: the slot
+        for the result and the blocks, index.SelectionIndex.local_info), causal inside the own
+        block. The result (normalised o, lse base 2) goes to that slot, the one local slot the
+        forward's index kept, so the slot merge takes it like any partial while the
+        block-centric kernel skipped all three.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         pid = tl.program_id(0)
@@ -147,42 +148,30 @@ if HAS_TRITON:
         r = tl.arange(0, BT * GP)
         g = r % GP
         t = (tile * BT + r // GP).to(tl.int64)
-        row_ok = (t < T) & (g < G)
+        info = tl.load(info_ptr + b * si_b + h * si_h + t * si_t, mask=t < T, other=-1)
+        row_ok = (t < T) & (g < G) & (info >= 0)
+        dest = info >> 3
         hq = h * G + g
         pos = T0 + t
         own = (T0 + tile * BT) // SEL_BLOCK
-        # The slot that carries the local partial: the one local slot the index kept.
-        gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
-        dest = tl.full([BT * GP], -1, tl.int32)
-        for slot in tl.static_range(N):
-            gs = tl.load(gid_row + slot, mask=row_ok, other=-1)
-            dest = tl.where((gs >= 0) & ((gs == 0) | (gs == own - 1) | (gs == own)), slot, dest)
-        row_ok = row_ok & (dest >= 0)
         if tl.max(row_ok.to(tl.int32), axis=0) > 0:
             dk = tl.arange(0, DKP)
             dv = tl.arange(0, DVP)
             scale2 = tl.cast(scale * LOG2E, tl.float32)
             q_md = tl.load(q_ptr + b * sq_b + pos[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
                            mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            bi_row = bi_ptr + b * sb_b + h * sb_h + t * sb_t
             m = tl.full([BT * GP], float("-inf"), tl.float32)
             l = tl.zeros([BT * GP], tl.float32)
             acc = tl.zeros([BT * GP, DVP], tl.float32)
-            # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0.
+            # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0 (bits 0, 1, 2).
             for which in tl.static_range(3):
                 if which == 0:
                     blk = own * 0
-                    exists = own >= 0
                 elif which == 1:
                     blk = own - 1
-                    exists = own >= 2
                 else:
                     blk = own
-                    exists = own >= 1
-                chosen = tl.zeros([BT * GP], tl.int32)
-                for slot in tl.static_range(N):
-                    chosen = chosen | (tl.load(bi_row + slot, mask=row_ok, other=-1) == blk).to(tl.int32)
-                use = row_ok & (chosen > 0) & exists
+                use = row_ok & (((info >> which) & 1) == 1)
                 if tl.max(use.to(tl.int32), axis=0) > 0:
                     key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, blk * SEL_BLOCK,
                                                         tl.minimum(blk * SEL_BLOCK + SEL_BLOCK, seq_len), sk_b,

@@ -156,9 +156,10 @@ def local_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) ->
 
     A tile's tokens must share their local blocks: one sequence per batch row (documents move
     the blocks), a power of two of tokens dividing l' and every range start (multiples of R
-    < T), and at least 16 rows (tl.dot). Rows as the forward kernel's chunks (fwd_BT * G')."""
+    < T), and at least 16 rows (tl.dot). Twice the forward kernel's chunk rows (2 * fwd_BT * G',
+    8 warps at 128): every program reads its three key blocks from L2, so fewer, taller tiles."""
     GP = next_pow2(G)
-    BT = min(cfg["fwd_BT"], sel_block & -sel_block)
+    BT = min(cfg["fwd_BT"] * 2, sel_block & -sel_block)
     if not cfg["fwd_local"] or cu_seqlens is not None or BT * GP < 16 or (R < T and R % BT):
         return 0
     return BT
@@ -176,9 +177,8 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
-        bi_range = _range_of(block_indices, t0, t1)
-        index, items = index_and_items(bi_range, sel_block, cu_seqlens, cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T,
-                                       skip_local=local_bt > 0)
+        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
+                                       cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T, skip_local=local_bt > 0)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -189,27 +189,27 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
                 **_launch(cfg, "fwd"))
         if local_bt:
-            _local_partial(q, k, v, po, plse, bi_range, index, t0, T, scale, sel_block,
-                           {**consts, "BT": local_bt}, cfg)
+            _local_partial(q, k, v, po, plse, index, t0, T, scale, sel_block, {**consts, "BT": local_bt}, cfg)
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
 
-def _local_partial(q, k, v, po, plse, bi_range, index: SelectionIndex, t0: int, seq_len: int, scale: float,
-                   sel_block: int, consts: dict, cfg: dict) -> None:
+def _local_partial(q, k, v, po, plse, index: SelectionIndex, t0: int, seq_len: int, scale: float, sel_block: int,
+                   consts: dict, cfg: dict) -> None:
     """The range [t0, t0 + T')'s local blocks, one partial per (token, query head) by _local_kernel."""
     B, Tr, Hq, n, Dv = po.shape
     Hkv = k.shape[2]
     if B * Tr * Hq == 0:
         return
-    gid = index.gid_bhtn
+    info = index.local_info
     n_tiles = -(-Tr // consts["BT"])
+    rows = consts["BT"] * consts["GP"]
     wrap_triton(kernels._local_kernel)[(B * Hkv * n_tiles,)](
-        q, k, v, po, plse, bi_range, gid, Tr, t0, seq_len, Hkv, n_tiles, scale, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *bi_range.stride()[:3], *gid.stride()[:3],
-        N=n, G=consts["G"], GP=consts["GP"], BT=consts["BT"], BL=consts["BL"], SEL_BLOCK=sel_block,
+        q, k, v, po, plse, info, Tr, t0, seq_len, Hkv, n_tiles, scale, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *info.stride(),
+        G=consts["G"], GP=consts["GP"], BT=consts["BT"], BL=consts["BL"], SEL_BLOCK=sel_block,
         DK=consts["DK"], DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], F32_DOT=consts["F32_DOT"],
-        IEEE=consts["IEEE"], num_warps=cfg["fwd_warps"], num_stages=2)
+        IEEE=consts["IEEE"], num_warps=8 if rows >= 128 else 4, num_stages=2)
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
