@@ -163,29 +163,26 @@ if HAS_TRITON:
             m = tl.full([BT * GP], float("-inf"), tl.float32)
             l = tl.zeros([BT * GP], tl.float32)
             acc = tl.zeros([BT * GP, DVP], tl.float32)
-            # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0 (bits 0, 1, 2).
-            for which in tl.static_range(3):
-                if which == 0:
-                    blk = own * 0
-                elif which == 1:
-                    blk = own - 1
-                else:
-                    blk = own
-                use = row_ok & (((info >> which) & 1) == 1)
-                if tl.max(use.to(tl.int32), axis=0) > 0:
-                    key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, blk * SEL_BLOCK,
-                                                        tl.minimum(blk * SEL_BLOCK + SEL_BLOCK, seq_len), sk_b,
-                                                        sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV, DVP)
-                    s = dot(q_md, tl.trans(k_ld), F32_DOT, IEEE) * scale2
-                    vis = use[:, None] & key_ok[None, :] & (key[None, :] <= pos[:, None])
-                    s = tl.where(vis, s, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s, axis=1))
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.math.exp2(m - m_ref)
-                    p = tl.math.exp2(s - m_ref[:, None])
-                    l = l * alpha + tl.sum(p, axis=1)
-                    acc = acc * alpha[:, None] + dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
-                    m = m_new
+            # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0 (bits 0,
+            # 1, 2). A loop, not unrolled: Triton pipelines the next block's key loads under this
+            # one's math. A block no row selected is all masked and changes nothing.
+            for which in range(3):
+                blk = tl.where(which == 0, 0, own - 2 + which)
+                exists = (which == 0) | ((which == 1) & (own >= 2)) | ((which == 2) & (own >= 1))
+                use = row_ok & (((info >> which) & 1) == 1) & exists
+                ks = blk * SEL_BLOCK
+                key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, ks, tl.where(exists, tl.minimum(
+                    ks + SEL_BLOCK, seq_len), ks), sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV, DVP)
+                s = dot(q_md, tl.trans(k_ld), F32_DOT, IEEE) * scale2
+                vis = use[:, None] & key_ok[None, :] & (key[None, :] <= pos[:, None])
+                s = tl.where(vis, s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m - m_ref)
+                p = tl.math.exp2(s - m_ref[:, None])
+                l = l * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
+                m = m_new
             o = acc / tl.where(l > 0, l, 1.0)[:, None]
             lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
             row = b * so_b + t * so_t + hq * so_h + dest * so_n

@@ -19,7 +19,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "fwd_local")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "fwd_local", "local_BT", "local_stages")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -62,8 +62,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     fwd_local 1: the forward attends each token's local blocks (0, own - 1, own) together, in
-    one partial of _local_kernel where it can (local_tile), 0: one partial per block like
-    every other slot.
+    one partial of _local_kernel where it can (local_tile, local_BT tokens per program,
+    local_stages), 0: one partial per block like every other slot.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -73,7 +73,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
             "bwd_chunks": 16 if wide_rows else 32, "fwd_warps": 4, "bwd_warps": 8 if DKP + DVP >= 256 else 4,
             "fwd_stages": 4 if wide_rows else 2, "bwd_stages": 3 if narrow else 2,
-            "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0, "fwd_local": 1}
+            "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0, "fwd_local": 1, "local_BT": 2 * BT,
+            "local_stages": 3}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,10 +157,11 @@ def local_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) ->
 
     A tile's tokens must share their local blocks: one sequence per batch row (documents move
     the blocks), a power of two of tokens dividing l' and every range start (multiples of R
-    < T), and at least 16 rows (tl.dot). Twice the forward kernel's chunk rows (2 * fwd_BT * G',
-    8 warps at 128): every program reads its three key blocks from L2, so fewer, taller tiles."""
+    < T), and at least 16 rows (tl.dot). local_BT defaults to twice the forward kernel's chunk
+    tokens (8 warps from 128 rows): every program reads its three key blocks from L2, so fewer,
+    taller tiles."""
     GP = next_pow2(G)
-    BT = min(cfg["fwd_BT"] * 2, sel_block & -sel_block)
+    BT = min(cfg["local_BT"], sel_block & -sel_block)
     if not cfg["fwd_local"] or cu_seqlens is not None or BT * GP < 16 or (R < T and R % BT):
         return 0
     return BT
@@ -209,7 +211,7 @@ def _local_partial(q, k, v, po, plse, index: SelectionIndex, t0: int, seq_len: i
         *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *info.stride(),
         G=consts["G"], GP=consts["GP"], BT=consts["BT"], BL=consts["BL"], SEL_BLOCK=sel_block,
         DK=consts["DK"], DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], F32_DOT=consts["F32_DOT"],
-        IEEE=consts["IEEE"], num_warps=8 if rows >= 128 else 4, num_stages=2)
+        IEEE=consts["IEEE"], num_warps=8 if rows >= 128 else 4, num_stages=cfg["local_stages"])
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
