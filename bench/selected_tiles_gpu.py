@@ -45,6 +45,7 @@ VARIANTS = {
     "fwd_stages2": {"fwd_stages": 2},
     "fwd_local_per_block": {"fwd_local": 0},
     "local_half_rows": {"local_BT": -0.5},
+    "local_double_rows": {"local_BT": -2},
     "local_stages2": {"local_stages": 2},
     "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
