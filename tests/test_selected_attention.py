@@ -225,16 +225,15 @@ def test_index_skip_local_lists_only_the_other_blocks(t0):
 
 
 def test_local_tile_rule():
-    """The local partial is made where a program's tokens share their local blocks, tiles >= 16 rows."""
+    """The local partial is made where a tile's tokens share their local blocks, with >= 16 rows."""
     cfg = launch.launch_config(4, 128, 128, torch.bfloat16)  # fwd_BT 16: 64 rows
-    assert launch.local_tile(cfg, 4, 64, 1000, 1000, None) == (16, 4)
-    assert launch.local_tile(cfg, 4, 64, 1000, 1000, torch.tensor([0, 1000])) == (0, 0)  # documents
-    assert launch.local_tile(cfg, 4, 64, 1000, 96, None) == (0, 0)  # ranges starting mid-group
-    assert launch.local_tile(cfg, 4, 64, 1000, 128, None) == (16, 4)
-    assert launch.local_tile(cfg, 4, 48, 1000, 1000, None) == (16, 1)  # 16 tokens: the largest power of 2 in 48
-    assert launch.local_tile(cfg, 4, 8, 1000, 1000, None) == (8, 1)  # tiles inside an 8-token block
-    assert launch.local_tile(cfg, 4, 2, 1000, 1000, None) == (0, 0)  # 8 rows: under tl.dot's 16
-    assert launch.local_tile({**cfg, "fwd_local": 0}, 4, 64, 1000, 1000, None) == (0, 0)
+    assert launch.local_tile(cfg, 4, 64, 1000, 1000, None) == 16
+    assert launch.local_tile(cfg, 4, 64, 1000, 1000, torch.tensor([0, 1000])) == 0  # documents
+    assert launch.local_tile(cfg, 4, 64, 1000, 100, None) == 0  # ranges starting mid-tile
+    assert launch.local_tile(cfg, 4, 64, 1000, 128, None) == 16
+    assert launch.local_tile(cfg, 4, 8, 1000, 1000, None) == 8  # tiles inside an 8-token block
+    assert launch.local_tile(cfg, 4, 2, 1000, 1000, None) == 0  # 8 rows: under tl.dot's 16
+    assert launch.local_tile({**cfg, "fwd_local": 0}, 4, 64, 1000, 1000, None) == 0
 
 
 @interpreter
@@ -250,7 +249,7 @@ def test_kernels_interpreted_local_partial_equals_one_per_block(T, G, L, R, pois
     tiles = dict(range_tokens=R) if R else {}
     got = launch.forward(q, k, v, bi, None, 0.25, L, tiles)
     plain = launch.forward(q, k, v, bi, None, 0.25, L, {**tiles, "fwd_local": 0})
-    assert launch.local_tile(launch._tiles(q, k, v, tiles), G, L, T, R or T, None)[0] > 0
+    assert launch.local_tile(launch._tiles(q, k, v, tiles), G, L, T, R or T, None) > 0
     torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-6)
     check(run_kernels(q, k, v, do, bi, cfg, tiles=tiles), q, k, v, do, bi, cfg)

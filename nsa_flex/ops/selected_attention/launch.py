@@ -62,7 +62,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     fwd_local 1: the forward attends each token's local blocks (0, own - 1, own) together, in
-    one partial of _local_kernel where it can (local_tile: local_BT tokens per tile,
+    one partial of _local_kernel where it can (local_tile, local_BT tokens per program,
     local_stages), 0: one partial per block like every other slot.
     """
     GP = next_pow2(G)
@@ -152,22 +152,19 @@ def _ranges(T: int, R: int):
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
 
 
-def local_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) -> tuple[int, int]:
-    """(tokens per tile, tiles per program) of _local_kernel, or (0, 0) where the local blocks go
-    through partials each.
+def local_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) -> int:
+    """Tokens per program of _local_kernel, or 0 where the local blocks go through partials each.
 
-    A program's tokens must share their local blocks: one sequence per batch row (documents
-    move the blocks), and a group of tokens that is a power of two dividing l' (at most 64)
-    and every range start (multiples of R < T). Its tiles have local_BT tokens (the forward
-    kernel's chunk: 64 rows at 16-bit, 4 warps) and at least 16 rows (tl.dot); the group's
-    tiles share one program, so their key loads after the first hit L1 (at G=4, l'=64: four
-    tiles of 16 tokens)."""
+    A tile's tokens must share their local blocks: one sequence per batch row (documents move
+    the blocks), a power of two of tokens dividing l' and every range start (multiples of R
+    < T), and at least 16 rows (tl.dot). local_BT defaults to the forward kernel's chunk tokens
+    (64 rows at 16-bit, 4 warps): at T=64k, G=4 (H200) 0.57 ms against 0.65 with 128 rows and 8
+    warps, and no faster when one program ran the four tiles of a block in turn (docs/decisions.md)."""
     GP = next_pow2(G)
-    group = min(sel_block & -sel_block, 64)
-    BT = min(cfg["local_BT"], group)
-    if not cfg["fwd_local"] or cu_seqlens is not None or BT * GP < 16 or (R < T and R % group):
-        return 0, 0
-    return BT, group // BT
+    BT = min(cfg["local_BT"], sel_block & -sel_block)
+    if not cfg["fwd_local"] or cu_seqlens is not None or BT * GP < 16 or (R < T and R % BT):
+        return 0
+    return BT
 
 
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
@@ -178,7 +175,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     cfg = _tiles(q, k, v, tiles)
     consts = _constexprs(q, k, v, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
-    local_bt, local_subs = local_tile(cfg, Hq // Hkv, sel_block, T, R, cu_seqlens)
+    local_bt = local_tile(cfg, Hq // Hkv, sel_block, T, R, cu_seqlens)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
@@ -194,8 +191,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
                 **_launch(cfg, "fwd"))
         if local_bt:
-            _local_partial(q, k, v, po, plse, index, t0, T, scale, sel_block,
-                           {**consts, "BT": local_bt, "SUBS": local_subs}, cfg)
+            _local_partial(q, k, v, po, plse, index, t0, T, scale, sel_block, {**consts, "BT": local_bt}, cfg)
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
@@ -208,12 +204,12 @@ def _local_partial(q, k, v, po, plse, index: SelectionIndex, t0: int, seq_len: i
     if B * Tr * Hq == 0:
         return
     info = index.local_info
-    n_tiles = -(-Tr // (consts["BT"] * consts["SUBS"]))  # programs per (batch, kv head)
+    n_tiles = -(-Tr // consts["BT"])
     rows = consts["BT"] * consts["GP"]
     wrap_triton(kernels._local_kernel)[(B * Hkv * n_tiles,)](
         q, k, v, po, plse, info, Tr, t0, seq_len, Hkv, n_tiles, scale, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *info.stride(),
-        G=consts["G"], GP=consts["GP"], BT=consts["BT"], SUBS=consts["SUBS"], BL=consts["BL"], SEL_BLOCK=sel_block,
+        G=consts["G"], GP=consts["GP"], BT=consts["BT"], BL=consts["BL"], SEL_BLOCK=sel_block,
         DK=consts["DK"], DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], F32_DOT=consts["F32_DOT"],
         IEEE=consts["IEEE"], num_warps=8 if rows >= 128 else 4, num_stages=cfg["local_stages"])
 
