@@ -43,15 +43,10 @@ VARIANTS = {
     "bwd_M128_warps4": {"bwd_BT": 32, "bwd_chunks": 16, "bwd_warps": 4},
     "bwd_M128_warps8": {"bwd_BT": 32, "bwd_chunks": 16, "bwd_warps": 8},
     "fwd_stages2": {"fwd_stages": 2},
-    "fwd_local_per_block": {"fwd_local": 0},
-    "local_half_rows": {"local_BT": -0.5},
-    "local_double_rows": {"local_BT": -2},
-    "local_stages2": {"local_stages": 2},
     "range_half": {"range_tokens": -0.5},
     "range_x2": {"range_tokens": -2},
 }
-"""range_tokens < 0: -k times the default range (the op's memory rule), for the partials' size against speed;
-local_BT < 0: -k times the default local tile."""
+"""range_tokens < 0: -k times the default range (the op's memory rule), for the partials' size against speed."""
 
 
 def main() -> None:
@@ -72,9 +67,6 @@ def main() -> None:
         base = None
         for name, tiles in variants.items():
             tiles = dict(tiles)
-            if tiles.get("local_BT", 0) < 0:
-                tiles["local_BT"] = max(1, int(-tiles["local_BT"] * launch.launch_config(
-                    Hq // Hkv, D, D, q.dtype)["local_BT"]))
             if tiles.get("range_tokens", 0) < 0:
                 tiles["range_tokens"] = int(-tiles["range_tokens"] * launch.range_tokens(B, T, Hq, cfg.n_selected, D,
                                                                                          q.dtype))

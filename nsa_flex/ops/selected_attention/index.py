@@ -40,10 +40,6 @@ class SelectionIndex(NamedTuple):
     """[Nv] int32: first key token of each virtual block."""
     blk_end: Tensor
     """[Nv] int32: one past its last key token (blk_start == blk_end for spare blocks)."""
-    local_info: Tensor | None = None
-    """skip_local only, [B, Hkv, T] int32: 8 * (the slot that carries the token's local partial)
-    + which local blocks it selected (bit 0: block 0, 1: own - 1 when not 0, 2: own when not 0);
-    -1 where it selected none."""
 
 
 class WorkList(NamedTuple):
@@ -66,7 +62,7 @@ def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
 
 
 def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None,
-                positions: Tensor | None = None, seq_len: int | None = None, skip_local: bool = False) -> SelectionIndex:
+                positions: Tensor | None = None, seq_len: int | None = None) -> SelectionIndex:
     """The SelectionIndex of block_indices [B, Hkv, T, n] (document-local ids with cu_seqlens, B == 1).
 
     Slots with -1, or with a block past the end of the token's document, read nothing. A token
@@ -74,11 +70,6 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     tokens (default: the whole sequence, arange(T)); entries stay local (t - positions[0]) and
     the virtual blocks span the whole sequence. positions is a tensor, not an offset, so a
     compiled index serves every range of one length without recompiling.
-
-    skip_local (one sequence, positions given): the slots of a token's local blocks (0, own - 1
-    and own, own = position // l'; the rule _local_kernel applies to the same ids) get no
-    entry, and only the first of them keeps its gid: _local_kernel writes one partial for all
-    of them there, and the slot merge reads it with the others.
     """
     B, Hkv, T, n = block_indices.shape
     device = block_indices.device
@@ -102,20 +93,6 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     ok = (j >= 0) & ~repeat & (j * sel_block < lens[doc_t][:, None])
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
 
-    listed, local_info = ok, None
-    if skip_local:
-        if cu_seqlens is not None or positions is None:
-            raise ValueError("build_index(skip_local=True) serves one sequence per batch row, with positions")
-        own = (positions // sel_block)[:, None]
-        local = ok & ((j == 0) | (j == own - 1) | (j == own))
-        listed = ok & ~local
-        first_local = local & (torch.cumsum(local.int(), -1) == 1)
-        gid = torch.where(local & ~first_local, -1, gid)
-        bits = ((local & (j == 0)).any(-1).int() + 2 * (local & (j == own - 1) & (own >= 2)).any(-1).int()
-                + 4 * (local & (j == own) & (own >= 1)).any(-1).int())
-        dest = (first_local.int() * torch.arange(n, device=device, dtype=torch.int32)).sum(-1)
-        local_info = torch.where(local.any(-1), 8 * dest + bits, -1).to(torch.int32)
-
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.
     rows = B * Hkv * Nv
     bh = torch.arange(B * Hkv, device=device).view(B, Hkv, 1, 1)
@@ -123,7 +100,7 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     # keys (up to 32767 rows: B * Hkv * ceil(T / l') at 64k, l' = 64 is 1025 per kv head) sort in
     # 2 passes against 8 for int64.
     key_dtype = torch.int16 if rows < 2 ** 15 - 1 else torch.int32
-    key = torch.where(listed, bh * Nv + gid, rows).flatten().to(key_dtype)
+    key = torch.where(ok, bh * Nv + gid, rows).flatten().to(key_dtype)
     sorted_key, order = torch.sort(key, stable=True)
     # The flat position of an entry is ((b * Hkv + h) * T + t) * n + slot: its low part is t * n + slot.
     entries = (order % (T * n)).to(torch.int32)
@@ -133,7 +110,7 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     offsets = bounds[:rows]
     counts = bounds[1:] - offsets
     return SelectionIndex(gid.to(torch.int32), counts.to(torch.int32), offsets.to(torch.int32), entries,
-                          blk_start, blk_end, local_info)
+                          blk_start, blk_end)
 
 
 def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:

@@ -8,9 +8,7 @@ per token as in the token-centric loop.
 
 Forward: each (token, slot) gets a block-local softmax, partial o (normalised, in the partial
 buffer's dtype) and partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel
-merges a token's n partials in fp32. With one sequence per batch row, _local_kernel attends
-a token's local blocks (0, own - 1, own: the same keys for a tile of tokens) in one softmax and
-writes one partial for the three, which the block-centric kernel then skips. Backward: P = exp(S - lse) from the global lse, dV and dK
+merges a token's n partials in fp32. Backward: P = exp(S - lse) from the global lse, dV and dK
 accumulate in registers over the item's chunks and go to an fp32 partial per item, summed per
 block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to a partial per
 (token, slot), summed over the slots in fp32 by _slot_kernel.
@@ -119,76 +117,6 @@ if HAS_TRITON:
                 tl.store(po_ptr + row[:, None] + dv[None, :], o.to(po_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & (dv[None, :] < DV))
                 tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
-
-    @triton.jit
-    def _local_kernel(
-        q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, info_ptr, T, T0, seq_len, Hkv, n_tiles, scale,
-        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-        so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, si_b, si_h, si_t,
-        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
-        SEL_BLOCK: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
-    ):
-        """One partial for all local blocks of a tile of BT tokens and kv head h (one sequence per row).
-
-        The local blocks of a token in selection block `own` are 0, own - 1 and own (by id, the
-        rule of index.build_index's skip_local). The tile's tokens lie in one selection block and
-        share them, so the program loads their keys once for M = BT * G' rows and runs one online
-        softmax over those of the three each row's token selected (info [B, Hkv, T']: the slot
-        for the result and the blocks, index.SelectionIndex.local_info), causal inside the own
-        block. The result (normalised o, lse base 2) goes to that slot, the one local slot the
-        forward's index kept, so the slot merge takes it like any partial while the
-        block-centric kernel skipped all three.
-        """
-        LOG2E: tl.constexpr = 1.4426950408889634
-        pid = tl.program_id(0)
-        tile = pid % n_tiles
-        h = (pid // n_tiles) % Hkv
-        b = (pid // n_tiles // Hkv).to(tl.int64)
-        r = tl.arange(0, BT * GP)
-        g = r % GP
-        t = (tile * BT + r // GP).to(tl.int64)
-        info = tl.load(info_ptr + b * si_b + h * si_h + t * si_t, mask=t < T, other=-1)
-        row_ok = (t < T) & (g < G) & (info >= 0)
-        dest = info >> 3
-        hq = h * G + g
-        pos = T0 + t
-        own = (T0 + tile * BT) // SEL_BLOCK
-        if tl.max(row_ok.to(tl.int32), axis=0) > 0:
-            dk = tl.arange(0, DKP)
-            dv = tl.arange(0, DVP)
-            scale2 = tl.cast(scale * LOG2E, tl.float32)
-            q_md = tl.load(q_ptr + b * sq_b + pos[:, None] * sq_t + hq[:, None] * sq_h + dk[None, :],
-                           mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            m = tl.full([BT * GP], float("-inf"), tl.float32)
-            l = tl.zeros([BT * GP], tl.float32)
-            acc = tl.zeros([BT * GP, DVP], tl.float32)
-            # The distinct local blocks: 0, own - 1 when it is not 0, own when it is not 0 (bits 0,
-            # 1, 2). A loop, not unrolled: Triton pipelines the next block's key loads under this
-            # one's math. A block no row selected is all masked and changes nothing.
-            for which in range(3):
-                blk = tl.where(which == 0, 0, own - 2 + which)
-                exists = (which == 0) | ((which == 1) & (own >= 2)) | ((which == 2) & (own >= 1))
-                use = row_ok & (((info >> which) & 1) == 1) & exists
-                ks = blk * SEL_BLOCK
-                key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, ks, tl.where(exists, tl.minimum(
-                    ks + SEL_BLOCK, seq_len), ks), sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV, DVP)
-                s = dot(q_md, tl.trans(k_ld), F32_DOT, IEEE) * scale2
-                vis = use[:, None] & key_ok[None, :] & (key[None, :] <= pos[:, None])
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.math.exp2(m - m_ref)
-                p = tl.math.exp2(s - m_ref[:, None])
-                l = l * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
-                m = m_new
-            o = acc / tl.where(l > 0, l, 1.0)[:, None]
-            lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-            row = b * so_b + t * so_t + hq * so_h + dest * so_n
-            tl.store(po_ptr + row[:, None] + dv[None, :], o.to(po_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (dv[None, :] < DV))
-            tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + dest, lse, mask=row_ok)
 
     @triton.jit
     def _bwd_kernel(

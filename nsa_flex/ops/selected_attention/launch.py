@@ -19,7 +19,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "fwd_local", "local_BT", "local_stages")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -61,9 +61,6 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     (docs/decisions.md).
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
-    fwd_local 1: the forward attends each token's local blocks (0, own - 1, own) together, in
-    one partial of _local_kernel where it can (local_tile, local_BT tokens per program,
-    local_stages), 0: one partial per block like every other slot.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -73,8 +70,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
             "bwd_chunks": 16 if wide_rows else 32, "fwd_warps": 4, "bwd_warps": 8 if DKP + DVP >= 256 else 4,
             "fwd_stages": 4 if wide_rows else 2, "bwd_stages": 3 if narrow else 2,
-            "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0, "fwd_local": 1, "local_BT": BT,
-            "local_stages": 3}
+            "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,21 +148,6 @@ def _ranges(T: int, R: int):
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
 
 
-def local_tile(cfg: dict, G: int, sel_block: int, T: int, R: int, cu_seqlens) -> int:
-    """Tokens per program of _local_kernel, or 0 where the local blocks go through partials each.
-
-    A tile's tokens must share their local blocks: one sequence per batch row (documents move
-    the blocks), a power of two of tokens dividing l' and every range start (multiples of R
-    < T), and at least 16 rows (tl.dot). local_BT defaults to the forward kernel's chunk tokens
-    (64 rows at 16-bit, 4 warps): at T=64k, G=4 (H200) 0.57 ms against 0.65 with 128 rows and 8
-    warps, and no faster when one program ran the four tiles of a block in turn (docs/decisions.md)."""
-    GP = next_pow2(G)
-    BT = min(cfg["local_BT"], sel_block & -sel_block)
-    if not cfg["fwd_local"] or cu_seqlens is not None or BT * GP < 16 or (R < T and R % BT):
-        return 0
-    return BT
-
-
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path."""
     q, k, v = _dense(q, k, v)
@@ -175,12 +156,11 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     cfg = _tiles(q, k, v, tiles)
     consts = _constexprs(q, k, v, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
-    local_bt = local_tile(cfg, Hq // Hkv, sel_block, T, R, cu_seqlens)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
-                                       cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T, skip_local=local_bt > 0)
+                                       cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -190,28 +170,8 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                 index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
                 *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
                 **_launch(cfg, "fwd"))
-        if local_bt:
-            _local_partial(q, k, v, po, plse, index, t0, T, scale, sel_block, {**consts, "BT": local_bt}, cfg)
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
-
-
-def _local_partial(q, k, v, po, plse, index: SelectionIndex, t0: int, seq_len: int, scale: float, sel_block: int,
-                   consts: dict, cfg: dict) -> None:
-    """The range [t0, t0 + T')'s local blocks, one partial per (token, query head) by _local_kernel."""
-    B, Tr, Hq, n, Dv = po.shape
-    Hkv = k.shape[2]
-    if B * Tr * Hq == 0:
-        return
-    info = index.local_info
-    n_tiles = -(-Tr // consts["BT"])
-    rows = consts["BT"] * consts["GP"]
-    wrap_triton(kernels._local_kernel)[(B * Hkv * n_tiles,)](
-        q, k, v, po, plse, info, Tr, t0, seq_len, Hkv, n_tiles, scale, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], *info.stride(),
-        G=consts["G"], GP=consts["GP"], BT=consts["BT"], BL=consts["BL"], SEL_BLOCK=sel_block,
-        DK=consts["DK"], DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], F32_DOT=consts["F32_DOT"],
-        IEEE=consts["IEEE"], num_warps=8 if rows >= 128 else 4, num_stages=cfg["local_stages"])
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
@@ -260,35 +220,32 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     return dq, dk, dv
 
 
-def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int,
-                     skip_local: bool = False):
-    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len, skip_local=skip_local)
+def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int):
+    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len)
     return index, work_list(index, span, block_indices.shape[2], block_indices.shape[3])
 
 
 _COMPILED_INDEX = torch.compile(_index_and_items, dynamic=False)
 
 
-def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int,
-                    skip_local: bool = False):
+def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int):
     """(SelectionIndex, WorkList) of the token range [t0, t0 + T') whose selection is block_indices
-    [B, Hkv, T', n]; skip_local: see build_index. Compiled once per shape on CUDA: eagerly its ~60
-    small kernels take more host time than the attention takes on the GPU at 8k tokens. While an
-    outer torch.compile traces the op (or on CPU) the plain functions run, and the outer graph
-    fuses them."""
+    [B, Hkv, T', n]. Compiled once per shape on CUDA: eagerly its ~60 small kernels take more
+    host time than the attention takes on the GPU at 8k tokens. While an outer torch.compile
+    traces the op (or on CPU) the plain functions run, and the outer graph fuses them."""
     global _COMPILED_INDEX
     positions = None
-    if cu_seqlens is not None or skip_local:  # one sequence, whole: no positions needed
+    if cu_seqlens is not None:  # a single sequence needs no positions (every token is in it)
         positions = torch.arange(t0, t0 + block_indices.shape[2], device=block_indices.device)
     if _COMPILED_INDEX is not None and block_indices.is_cuda and not _tracing(block_indices):
         try:
-            return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, positions, seq_len, skip_local)
+            return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, positions, seq_len)
         except Exception as exc:  # a compiler bug of this torch version: the same functions, eagerly
             _COMPILED_INDEX = None
             warnings.warn(f"selected_attention: compiling the selection index failed on torch {torch.__version__} "
                           f"({type(exc).__name__}: {exc}); it runs eagerly from now on (same result, more host "
                           f"time)")
-    return _index_and_items(block_indices, sel_block, cu_seqlens, span, positions, seq_len, skip_local)
+    return _index_and_items(block_indices, sel_block, cu_seqlens, span, positions, seq_len)
 
 
 def _tracing(x: Tensor) -> bool:
