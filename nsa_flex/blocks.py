@@ -16,7 +16,7 @@ def document_of(cu_seqlens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The document (index into cu_seqlens [n_docs + 1]) holding each position x (one document: zeros).
 
     Searches the whole bounds tensor, never a slice of it: Inductor (torch 2.11) cannot lower
-    searchsorted over a sliced sequence (NotImplementedError: SliceView), which stopped the
+    searchsorted over a sliced sequence (it raises on a SliceView), which stopped the
     compiled op with packed documents.
     """
     if cu_seqlens.shape[0] == 2:

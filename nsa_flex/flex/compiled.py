@@ -1,9 +1,10 @@
 """The flex path compiled, the default on CUDA: one graph per shape instead of eager glue.
 
 Eagerly, the flex path runs its compiled Flex calls and Triton ops with ~60 small kernels of glue
-between them (folds, masks, the selection index, the gated sum), each its own launch: at G=4 the
-glue cost 0.6 ms of a 2.9 ms forward at 16k tokens and 2.8 ms of 8.9 ms forward+backward, more
-where the GPU work is short (docs/results.md). Compiled, Inductor fuses that glue.
+between them (folds, masks, the selection index, the gated sum), each its own launch, and is
+host-bound where the GPU work is short: at G=4 (H200) the forward took 2.49 / 2.38 / 3.50 ms at
+2k / 8k / 16k tokens eagerly and 0.75 / 1.73 / 2.54 compiled (docs/decisions.md, "The default
+path compiled"). Compiled, Inductor fuses that glue.
 
 `run(fn, compiled, *args)` calls fn through torch.compile on CUDA when `compiled` is true and no
 outer torch.compile is tracing (that one fuses the glue itself). Each new shape compiles once
