@@ -30,34 +30,26 @@ from nsa_flex.ops import select_blocks_torch
 from nsa_flex.ops.select import kernels as select_triton
 
 DEFAULT = {}
-BT16_W8 = {"BT": 16, "num_warps": 8, "num_stages": 3}
-BT32_W8 = {"BT": 32, "num_warps": 8, "num_stages": 3}
 # Per shape (T, Hq): named launch settings, "default" first (the reference for equality and
-# speed). Defaults: G=16 -> BT=8 (128 columns), G=4 -> BT=16 (64 columns); 4 warps, 2 stages
-# (docs/records/select_kernel_variants_h200.json); the alternatives are earlier defaults
-# and the runners-up there. From sm_90 builds made without a GPU (Triton 3.6), registers /
-# shared memory: G=16 BT=8 w4 168 / 66 KB with 2 stages (three programs per SM), 82 KB with 3
-# (two); BT=16 w8 stages3 about 170 / 115 KB (one), with maxnreg=128 and 2 stages 99 KB (two,
-# spills); G=4 BT=32 w8 169 / 84 KB, maxnreg=128 without spills (two). With 2 stages Triton 3.6
-# issues the next tile's copy at the end of an iteration and waits for it at the start of the
-# next: "stages3" measures what that costs. DEPTH=8 halves the merges on random inputs (3
-# against 7 over 64 tiles in a simulation).
+# speed). Defaults: G=16 -> BT=8 (128 columns), G=4 -> BT=16 (64 columns); 4 warps, 2 stages;
+# LISTS=6 sorted keys per (token, tile column), then the exact queues for the programs whose
+# lists lost a block. "exact queues" is the kernel before the lists (every program merges its
+# queues; docs/records/select_kernel_variants_h200.json has its tile sweep). From sm_90 builds
+# made without a GPU (Triton 3.6): 155 registers with the lists at G=4, 168 with the queues
+# (three programs per SM either way); maxnreg=128 would fit four.
+EXACT = {"LISTS": 0}
 SETTINGS = {
-    (16384, 64): {"default": DEFAULT, "stages3": {"num_stages": 3}, "BT16 w8 stages3": BT16_W8},
-    (65536, 64): {
-        "default": DEFAULT,
-        "stages3": {"num_stages": 3},
-        "maxnreg128": {"maxnreg": 128},
-        "DEPTH8": {"DEPTH": 8},
-        "BT16 w8 stages3": BT16_W8,
-        "BT16 w8 maxnreg128 stages2": {**BT16_W8, "maxnreg": 128, "num_stages": 2},
-    },
+    (16384, 64): {"default": DEFAULT, "exact queues": EXACT},
+    (65536, 64): {"default": DEFAULT, "exact queues": EXACT, "maxnreg128": {"maxnreg": 128}},
+    (32768, 16): {"default": DEFAULT, "exact queues": EXACT},
     (65536, 16): {
         "default": DEFAULT,
-        "stages3": {"num_stages": 3},
+        "exact queues": EXACT,
+        "exact queues, stages3": {**EXACT, "num_stages": 3},
+        "LISTS4": {"LISTS": 4},
+        "LISTS8": {"LISTS": 8},
+        "no rotation": {"ROTATE": 0},
         "maxnreg128": {"maxnreg": 128},
-        "BT32 w8 stages3": BT32_W8,
-        "BT32 w8 stages3 maxnreg128": {**BT32_W8, "maxnreg": 128},
     },
 }
 
@@ -131,7 +123,7 @@ def bench_setting(q, k_cmp, lse, config, name, tiles, twin, default_out) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shapes", default="16384x64,65536x64,65536x16",
+    parser.add_argument("--shapes", default="65536x16,32768x16,65536x64,16384x64",
                         help="comma-separated TxHq among " + ", ".join(f"{t}x{h}" for t, h in SETTINGS))
     args = parser.parse_args()
     config = NSAConfig()

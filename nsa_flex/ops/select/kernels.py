@@ -43,7 +43,7 @@ except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its t
     HAS_TRITON = False
 
 # The keys of select_blocks_triton's tiles (maxnreg, a register cap, is a tuning-sweep extra).
-TILE_KEYS = ("BT", "BS", "DEPTH", "num_warps", "num_stages", "maxnreg")
+TILE_KEYS = ("BT", "BS", "DEPTH", "LISTS", "ROTATE", "num_warps", "num_stages", "maxnreg")
 
 
 def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
@@ -68,7 +68,8 @@ def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
     """
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
-    return {"BT": BT, "BS": max(16, next_pow2(n)), "DEPTH": 4, "num_warps": 4, "num_stages": 2}
+    return {"BT": BT, "BS": max(16, next_pow2(n)), "DEPTH": 4, "LISTS": 6, "ROTATE": 1, "num_warps": 4,
+            "num_stages": 2}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
@@ -96,6 +97,9 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
     BT, BS = tiles["BT"], tiles["BS"]
     if BS < n:
         raise ValueError(f"tile of {BS} selection blocks cannot hold the top n={n}")
+    if tiles["LISTS"] not in range(9):
+        raise ValueError(f"LISTS (keys kept per token and tile column) must be 0 (exact queues only) to 8, "
+                         f"got {tiles['LISTS']}")
     out = torch.empty((B, Hkv, T, n), dtype=torch.int32, device=q.device)
     if T == 0:
         return _pad_slots(out, config.n_selected)
@@ -107,17 +111,28 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
         cu, cu_cmp = cu_seqlens.to(torch.int32), cu_seqlens_cmp.to(torch.int32)
         prog_doc, prog_tok = _program_table(cu, BT, n_blocks)
         n_programs = prog_doc.shape[0]
-    wrap_triton(_select_kernel)[(n_programs, B * Hkv)](
-        q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, T, Tc, n_blocks, Hkv, scale,
-        *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
-        G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
-        R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
-        SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
-        N_INIT=config.n_initial, N_LOCAL=config.n_local,
-        VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-        **({"maxnreg": tiles["maxnreg"]} if "maxnreg" in tiles else {}),
-    )
+    # One flag per program: its lists lost a block (LISTS), so the exact pass runs it again.
+    flags = torch.empty(B * Hkv * n_programs, dtype=torch.int32, device=q.device)
+
+    def launch(lists: int, rerun: bool) -> None:
+        wrap_triton(_select_kernel)[(n_programs, B * Hkv)](
+            q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
+            *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
+            G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
+            R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
+            SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
+            N_INIT=config.n_initial, N_LOCAL=config.n_local,
+            VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
+            LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun,
+            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+            **({"maxnreg": tiles["maxnreg"]} if "maxnreg" in tiles else {}),
+        )
+
+    if tiles["LISTS"]:
+        launch(lists=tiles["LISTS"], rerun=False)
+        launch(lists=0, rerun=True)
+    else:
+        launch(lists=0, rerun=False)
     return _pad_slots(out, config.n_selected)
 
 
@@ -175,14 +190,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_kernel(
-        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
-        T, Tc, n_blocks, Hkv, scale,
+        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, flag_ptr,
+        T, Tc, n_blocks, n_programs, Hkv, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b, so_h, so_t,
         G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, TL: tl.constexpr, DK: tl.constexpr,
         DKP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, CMP_STRIDE: tl.constexpr,
         CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
         N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-        VARLEN: tl.constexpr, IEEE: tl.constexpr,
+        VARLEN: tl.constexpr, IEEE: tl.constexpr, LISTS: tl.constexpr, ROTATE: tl.constexpr,
+        RERUN: tl.constexpr,
     ):
         """Scores transposed, s^T = k_cmp tile . q^T: [BS*R' compression blocks, BT*G' columns].
 
@@ -207,6 +223,10 @@ if HAS_TRITON:
         LOG2E: tl.constexpr = 1.4426950408889634
         b, h, tok0, bos, eos, cbos, clen = _program_range(
             cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, T, Tc, n_blocks, Hkv, BT, VARLEN)
+        flag_at = flag_ptr + tl.program_id(1) * n_programs + tl.program_id(0)
+        if RERUN:
+            # Only programs whose lists lost a block run again: the others get an empty range.
+            eos = tl.where(tl.load(flag_at) != 0, eos, bos)
         # Inductor may hand a float scalar in as fp64; keep the loop-carried tiles fp32.
         scale2 = tl.cast(scale * LOG2E, tl.float32)
 
@@ -262,6 +282,17 @@ if HAS_TRITON:
         que = tl.full([DEPTH, BT, BS], EMPTY, tl.int64)
         fill = tl.zeros([BT, BS], tl.int32)
         carry = tl.zeros([BT, BS], tl.float32)
+        # LISTS > 0: the LISTS largest keys of each (token, column), sorted, L0 the largest;
+        # drop: the largest key of a block pushed out of a list.
+        L0 = tl.full([BT, BS], EMPTY, tl.int64)
+        L1 = L0
+        L2 = L0
+        L3 = L0
+        L4 = L0
+        L5 = L0
+        L6 = L0
+        L7 = L0
+        drop = L0
         for jt in range(0, n_tiles):
             c = (jt * BS + row_sel) * R + row_a
             c_ok = (row_a < R) & (c < clen)
@@ -294,24 +325,72 @@ if HAS_TRITON:
             valid = tok_ok[:, None] & (j <= own[:, None])
             forced = valid & ((j < N_INIT) | (j > own[:, None] - N_LOCAL))
             score = tl.where(forced, float("inf"), tl.where(valid, imp, float("-inf")))
-            key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BIG - j).to(tl.int64)
-            join = score > nth[:, None]
-            que = tl.where((slot == fill[None, :, :]) & join[None, :, :], key[None, :, :], que)
-            fill += join.to(tl.int32)
-            if (tl.max(fill) == DEPTH) | (jt == n_tiles - 1):
-                # Merge: n passes of max over top and the queues.
-                new = tl.full([BT, BS], EMPTY, tl.int64)
-                # Unrolled: a loop nested in the tile loop would keep Triton from pipelining its loads.
-                for k in tl.static_range(N):
-                    best = tl.max(tl.maximum(top, tl.max(que, axis=0)), axis=1)
-                    new = tl.where(jb == k, best[:, None], new)
-                    top = tl.where(top == best[:, None], EMPTY, top)
-                    que = tl.where(que == best[None, :, None], EMPTY, que)
-                top = new
-                nth_key = tl.min(tl.where(jb < N, top, 9223372036854775807), axis=1)
-                nth = (nth_key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-                que = tl.full([DEPTH, BT, BS], EMPTY, tl.int64)
-                fill = tl.zeros([BT, BS], tl.int32)
+            if LISTS:
+                if ROTATE:
+                    # Column c takes the tile's block (c - jt) mod BS: blocks BS apart (a
+                    # pattern every BS * l' tokens) spread over the columns' lists.
+                    src = (jb + (BS - jt % BS)) % BS + tl.zeros([BT, BS], tl.int32)
+                    score = tl.gather(score, src, axis=1)
+                    j = jt * BS + src
+                # One pass of insertion: each list keeps the larger, passes the smaller on.
+                x = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BIG - j).to(tl.int64)
+                L0, x = tl.maximum(L0, x), tl.minimum(L0, x)
+                if LISTS > 1:
+                    L1, x = tl.maximum(L1, x), tl.minimum(L1, x)
+                if LISTS > 2:
+                    L2, x = tl.maximum(L2, x), tl.minimum(L2, x)
+                if LISTS > 3:
+                    L3, x = tl.maximum(L3, x), tl.minimum(L3, x)
+                if LISTS > 4:
+                    L4, x = tl.maximum(L4, x), tl.minimum(L4, x)
+                if LISTS > 5:
+                    L5, x = tl.maximum(L5, x), tl.minimum(L5, x)
+                if LISTS > 6:
+                    L6, x = tl.maximum(L6, x), tl.minimum(L6, x)
+                if LISTS > 7:
+                    L7, x = tl.maximum(L7, x), tl.minimum(L7, x)
+                # Keys >= 0 hold a score >= 0 (a block); -inf scores (no block) may go.
+                drop = tl.maximum(drop, tl.where(x >= 0, x, EMPTY))
+            else:
+                key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BIG - j).to(tl.int64)
+                join = score > nth[:, None]
+                que = tl.where((slot == fill[None, :, :]) & join[None, :, :], key[None, :, :], que)
+                fill += join.to(tl.int32)
+                if (tl.max(fill) == DEPTH) | (jt == n_tiles - 1):
+                    # Merge: n passes of max over top and the queues.
+                    new = tl.full([BT, BS], EMPTY, tl.int64)
+                    # Unrolled: a loop nested in the tile loop would keep Triton from pipelining its loads.
+                    for k in tl.static_range(N):
+                        best = tl.max(tl.maximum(top, tl.max(que, axis=0)), axis=1)
+                        new = tl.where(jb == k, best[:, None], new)
+                        top = tl.where(top == best[:, None], EMPTY, top)
+                        que = tl.where(que == best[None, :, None], EMPTY, que)
+                    top = new
+                    nth_key = tl.min(tl.where(jb < N, top, 9223372036854775807), axis=1)
+                    nth = (nth_key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                    que = tl.full([DEPTH, BT, BS], EMPTY, tl.int64)
+                    fill = tl.zeros([BT, BS], tl.int32)
+
+        if LISTS:
+            # The n best of the lists: each column's best is its L0; taking it moves the column up.
+            top = tl.full([BT, BS], EMPTY, tl.int64)
+            for k in tl.static_range(N):
+                best = tl.max(L0, axis=1)[:, None]
+                top = tl.where(jb == k, best, top)
+                hit = L0 == best
+                # Unused lists stay EMPTY, so shifting all eight is exact at any LISTS.
+                L0 = tl.where(hit, L1, L0)
+                L1 = tl.where(hit, L2, L1)
+                L2 = tl.where(hit, L3, L2)
+                L3 = tl.where(hit, L4, L3)
+                L4 = tl.where(hit, L5, L4)
+                L5 = tl.where(hit, L6, L5)
+                L6 = tl.where(hit, L7, L6)
+                L7 = tl.where(hit, EMPTY, L7)
+            # Exact unless a list pushed out a block that beats the n-th kept (keys are unique).
+            nth_key = tl.min(tl.where(jb < N, top, 9223372036854775807), axis=1)
+            lost = (tl.max(drop, axis=1) > nth_key) & tok_ok
+            tl.store(flag_at, tl.max(lost.to(tl.int32), axis=0))
 
         # Ascending ids, unused (-1: a -inf score) last.
         top_i = BIG - top.to(tl.int32)
