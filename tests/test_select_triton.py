@@ -85,7 +85,8 @@ DEFAULT = {}
 # (BT = 16 for G <= 8, 8 for G = 16; BS = 16, or 32 for n = 32); a larger BT keeps the longer
 # cases quick under the interpreter. A tile of BS selection blocks spans BS * l' tokens: BS = 4
 # or 8 gives several tiles (the C1 carry, tiles every token sees whole) on short inputs;
-# DEPTH = 1 merges at every join.
+# DEPTH = 1 merges at every join (in the exact pass, which reruns the programs whose lists
+# lost a block, and runs alone with LISTS = 0).
 CASES = [
     pytest.param(2, 200, 1, 64, 4, "paper", FP32, DEFAULT, id="G1-D64-fp32"),
     pytest.param(1, 2100, 1, 32, 4, "paper", HALF, dict(BT=32), id="G1-T2100-BT32"),
@@ -99,8 +100,13 @@ CASES = [
     pytest.param(1, 700, 4, 64, 32, "paper", HALF, dict(BT=32), id="G4-n32-BT32"),
     pytest.param(1, 700, 4, 64, 4, "unforced", HALF, dict(BS=4), id="G4-unforced-BS4"),
     pytest.param(1, 500, 2, 64, 4, "sel48", FP32, dict(BS=4), id="G2-sel48-BS4"),
-    pytest.param(1, 420, 16, 64, 4, "paper", FP32, dict(BT=4, BS=4, DEPTH=1), id="G16-BT4-depth1"),
-    pytest.param(2, 420, 4, 128, 5, "paper", HALF, dict(BT=8, BS=8, DEPTH=2), id="G4-BT8-depth2"),
+    pytest.param(1, 420, 16, 64, 4, "paper", FP32, dict(BT=4, BS=4, DEPTH=1, LISTS=0), id="G16-BT4-depth1"),
+    pytest.param(2, 420, 4, 128, 5, "paper", HALF, dict(BT=8, BS=8, DEPTH=2, LISTS=0), id="G4-BT8-depth2"),
+    # The queues alone (no lists), and one or two keys per list: most programs' lists lose a
+    # block and the exact pass reruns them (without the rerun these selections are wrong).
+    pytest.param(1, 333, 4, 64, 6, "paper", HALF, dict(LISTS=0), id="G4-exact-queues"),
+    pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1), id="G4-n16-lists1"),
+    pytest.param(1, 1100, 2, 32, 16, "paper", FP32, dict(LISTS=2, ROTATE=0), id="G2-n16-lists2-no-rotation"),
 ]
 
 
@@ -109,8 +115,8 @@ def test_kernel_matches_twin(B, T, G, Dk, n, geometry, dtype, tiles):
     check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
 
 
-@pytest.mark.parametrize("tiles", [DEFAULT, dict(BT=8, BS=8, DEPTH=1)],
-                         ids=["default", "small"])
+@pytest.mark.parametrize("tiles", [DEFAULT, dict(BT=8, BS=8, DEPTH=1, LISTS=0), dict(BT=8, BS=8, LISTS=1)],
+                         ids=["default", "small-queues", "small-lists1"])
 def test_varlen(tiles):
     """Packed documents: short, empty (1 token, no compressed token) and long ones."""
     config = make_config(4, 64, 6)
@@ -122,7 +128,8 @@ def test_varlen(tiles):
     assert got[0, :, 100].tolist() == [[0, -1, -1, -1, -1, -1]] * config.n_kv_heads
 
 
-@pytest.mark.parametrize("tiles", [DEFAULT, dict(BS=8, DEPTH=1)], ids=["default", "BS8-depth1"])
+@pytest.mark.parametrize("tiles", [DEFAULT, dict(BS=8, DEPTH=1, LISTS=0), dict(BS=8, LISTS=1)],
+                         ids=["default", "BS8-queues-depth1", "BS8-lists1"])
 def test_exact_ties_and_empty(tiles):
     """q = 0, lse = 0: p = 1 on every visible block, interior blocks tie exactly and the lowest
     ids win; T < l: no compressed token, only block 0. Each equals the twin exactly."""
@@ -157,14 +164,21 @@ def test_launch_config_defaults():
     for G, BT in [(1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 8)]:
         for Dk in (64, 128, 192):
             assert select_triton.launch_config(G, Dk, 16) == {
-                "BT": BT, "BS": 16, "DEPTH": 4, "num_warps": 4, "num_stages": 2}
+                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 6, "ROTATE": 1, "num_warps": 4, "num_stages": 2}
     assert select_triton.launch_config(4, 128, 32)["BS"] == 32
+
+
+def test_lists_out_of_range():
+    config = make_config(2, 32, 4)
+    q, k_cmp, lse = make_inputs(1, 64, config, device=DEVICE)
+    with pytest.raises(ValueError, match=r"LISTS \(keys kept per token and tile column\) must be 0 .* to 8, got 9"):
+        run_kernel(q, k_cmp, lse, config, {"LISTS": 9})
 
 
 def test_unknown_tile_key():
     config = make_config(2, 32, 4)
     q, k_cmp, lse = make_inputs(1, 64, config, device=DEVICE)
-    allowed = r"unknown selection tile keys \['NSUB', 'variant'\]; allowed: BT, BS, DEPTH, num_warps"
+    allowed = r"unknown selection tile keys \['NSUB', 'variant'\]; allowed: BT, BS, DEPTH, LISTS, ROTATE, num_warps"
     with pytest.raises(ValueError, match=allowed):
         run_kernel(q, k_cmp, lse, config, {"variant": "cols", "NSUB": 4, "BT": 8})
 
