@@ -92,7 +92,7 @@ def bench_setting(q, k_cmp, lse, config, name, tiles, twin, default_out) -> tupl
     T, Hq, Dk = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k_cmp.shape[2]
     # The settings in full: launch_config's defaults, overridden by tiles.
-    full = {**select_triton.launch_config(G, Dk, config.n_selected), **tiles}
+    full = {**select_triton.launch_config(G, Dk, config.n_selected, -(-T // config.sel_block)), **tiles}
     row = Row(T, Hq, k_cmp.shape[2], name, full)
 
     def run():

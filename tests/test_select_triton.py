@@ -106,6 +106,7 @@ CASES = [
     # block and the exact pass reruns them (without the rerun these selections are wrong).
     pytest.param(1, 333, 4, 64, 6, "paper", HALF, dict(LISTS=0), id="G4-exact-queues"),
     pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1), id="G4-n16-lists1"),
+    pytest.param(1, 1500, 4, 128, 16, "paper", HALF, dict(LISTS=6), id="G4-n16-lists6"),
     pytest.param(1, 1100, 2, 32, 16, "paper", FP32, dict(LISTS=2, ROTATE=0), id="G2-n16-lists2-no-rotation"),
 ]
 
@@ -160,12 +161,16 @@ def test_hand_computed_weights_and_group_sum():
 
 
 def test_launch_config_defaults():
-    """The measured tiles (see launch_config): 128 score columns, at most 16 tokens, 4 warps, 2 stages."""
+    """The measured tiles (see launch_config): 128 score columns, at most 16 tokens, 4 warps, 2 stages,
+    the lists on long sequences only."""
     for G, BT in [(1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 8)]:
         for Dk in (64, 128, 192):
             assert select_triton.launch_config(G, Dk, 16) == {
-                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 6, "ROTATE": 1, "num_warps": 4, "num_stages": 2}
+                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 0, "ROTATE": 1, "num_warps": 4, "num_stages": 2}
     assert select_triton.launch_config(4, 128, 32)["BS"] == 32
+    # The lists from 32 tiles of selection blocks on (T = 32k at the paper's geometry).
+    assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
+    assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
 
 
 def test_lists_out_of_range():

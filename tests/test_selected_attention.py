@@ -340,6 +340,20 @@ def test_kernels_interpreted_packed_documents(poisoned):
 
 
 @interpreter
+@pytest.mark.parametrize("B, T, Hq, D, dtype", [(2, 37, 3, 24, torch.float32), (1, 70, 16, 128, torch.bfloat16),
+                                                (1, 5, 64, 64, torch.float16)], ids=["odd", "g4-d128", "hq64"])
+def test_delta_kernel(B, T, Hq, D, dtype, poisoned):
+    """delta = rowsum(dO * O) in fp32 as [B, Hq, T], O a strided view, against an fp64 sum."""
+    g = torch.Generator().manual_seed(T)
+    do = torch.randn(B, T, Hq, D, generator=g).to(dtype)
+    o = torch.randn(B, Hq, T, D, generator=g).to(dtype).transpose(1, 2)
+    got = launch._delta(do, o)
+    want = (do.double() * o.double()).sum(-1).transpose(1, 2)
+    assert got.dtype == torch.float32 and got.shape == (B, Hq, T)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * math.sqrt(D))
+
+
+@interpreter
 @pytest.mark.parametrize("T, R, dtype, cu", [
     (130, 64, torch.float32, None), (130, 50, torch.bfloat16, None), (97, 1, torch.float32, None),
     (130, 45, torch.float32, [0, 40, 41, 41, 130]),

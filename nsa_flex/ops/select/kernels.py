@@ -46,8 +46,9 @@ except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its t
 TILE_KEYS = ("BT", "BS", "DEPTH", "LISTS", "ROTATE", "num_warps", "num_stages", "maxnreg")
 
 
-def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
-    """Tile sizes and launch settings for group size G, head dim Dk and n selected blocks.
+def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
+    """Tile sizes and launch settings for group size G, head dim Dk, n selected blocks and
+    sequences of up to `blocks` selection blocks.
 
     BT tokens per program give BT * G' score columns (G' = G rounded up to a power of two; q^T
     stays in shared memory): at most 128 columns and at most 16 tokens, so G=16 -> BT=8
@@ -65,11 +66,19 @@ def launch_config(G: int, Dk: int, n: int) -> dict[str, int]:
     BS selection blocks per tile: at least n (the top n live in one tile-wide row per token)
     and at least 16. DEPTH candidates wait per (token, tile column) between merges (DEPTH=8
     merges half as often on random inputs, but was no faster).
+
+    LISTS = 6 sorted keys per (token, column) once a token walks 32 tiles or more (T >= 32k at
+    the paper's geometry): on the H200, bf16, Dk=128, 2.64 against 2.93 ms with the queues alone
+    at T=64k, G=4, 6.00 against 6.47 at G=16, 0.88 against 0.92 at 32k, G=4; at 16k, G=16 (16
+    tiles) the queues alone were faster, 0.57 against 0.63 (docs/records/select_lists_h200.json).
+    Random inputs lost a block in 0.3% of the programs (0.02% of the tokens), which the exact
+    pass reruns; 4 keys lost in 32% of them (3.42 ms), 8 in none (2.73 ms, more registers).
     """
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
-    return {"BT": BT, "BS": max(16, next_pow2(n)), "DEPTH": 4, "LISTS": 6, "ROTATE": 1, "num_warps": 4,
-            "num_stages": 2}
+    BS = max(16, next_pow2(n))
+    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": 6 if blocks >= 32 * BS else 0, "ROTATE": 1,
+            "num_warps": 4, "num_stages": 2}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
@@ -93,7 +102,7 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
         )
     # Tiles and queues sized by the blocks that exist: an n above Ns only adds unused (-1) slots.
     n = min(config.n_selected, max(1, triton.cdiv(T, config.sel_block)))
-    tiles = {**launch_config(G, Dk, n), **tiles}
+    tiles = {**launch_config(G, Dk, n, triton.cdiv(T, config.sel_block)), **tiles}
     BT, BS = tiles["BT"], tiles["BS"]
     if BS < n:
         raise ValueError(f"tile of {BS} selection blocks cannot hold the top n={n}")

@@ -105,9 +105,9 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     items = B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
-    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta and its range's fp32 dO, O.
+    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
     ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
-    backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq + 8 * B * R * Hq * Dv
+    backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq
     return int(index + max(forward, backward))
 
 
@@ -183,9 +183,8 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     consts = _constexprs(q, k, v, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do = do.contiguous()
-    # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset);
-    # filled range by range, so its fp32 temporaries stay the size of one range.
-    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset).
+    delta = _delta(do, o)
     lse = lse.contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     ranges = _ranges(T, R)
@@ -196,7 +195,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
-        delta[:, :, t0:t1] = (do[:, t0:t1].float() * o[:, t0:t1].float()).sum(-1).transpose(1, 2)
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
@@ -218,6 +216,19 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         _slot_sum(dqp, None, index, dq, None, t0, merge=False)
     return dq, dk, dv
+
+
+def _delta(do: Tensor, o: Tensor) -> Tensor:
+    """rowsum(dO * O) in fp32 as [B, Hq, T]: one pass over dO and O, ~64 rows per program."""
+    B, T, Hq, D = o.shape
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=o.device)
+    HP = next_pow2(Hq)
+    TB = max(1, 64 // HP)
+    if B * T * Hq > 0:
+        wrap_triton(kernels._delta_kernel)[(-(-T // TB), B)](
+            do, o, delta, T, Hq, *do.stride()[:3], *o.stride()[:3], *delta.stride(), TB=TB, HP=HP, D=D,
+            DP=max(16, next_pow2(D)), num_warps=4)
+    return delta
 
 
 def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int):
