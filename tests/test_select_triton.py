@@ -201,6 +201,10 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(BT=32, num_warps=8, maxnreg=128),
                  id="G4-BT32-w8-maxnreg128"),
     pytest.param(1, 5000, 1, 64, 5, "sel32", torch.bfloat16, DEFAULT, id="G1-sel32"),
+    # The lists (the default from 32k tokens on), the exact pass rerunning programs that lost a block.
+    pytest.param(*G16, dict(LISTS=6), id="G16-D128-lists6"),
+    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6), id="G4-lists6"),
+    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=4, ROTATE=0), id="G4-lists4-no-rotation"),
 ])
 def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
     """Settings bench/select_gpu.py times, on longer inputs (many tiles and merges)."""
