@@ -8,8 +8,10 @@ per token. Nothing of size [T, Tc] or [T, Ns] is ever written to memory.
 
 The score tile is transposed, s^T = k_cmp tile . q^T: rows are compression blocks, columns the
 (token, head) pairs, ordered so that a token's heads sit in one thread's registers (the group
-sum is register adds). Tiles that every token sees whole skip the causal mask. The top-n queues
-candidates per (token, tile column) and merges rarely (see the kernel's docstring). Forced
+sum is register adds). Tiles that every token sees whole skip the causal mask. The top-n either
+queues candidates per (token, tile column) and merges rarely, or (LISTS, long sequences) keeps
+sorted lists per (token, tile column) with no merge during the walk; programs whose lists lost a
+block are rerun with the queues (see the kernel's docstring). Forced
 blocks score +inf, blocks after the query's own -inf.
 
 The fold. Compression block i covers stride units [i, i + m), m = l / d; selection block j
@@ -224,6 +226,13 @@ if HAS_TRITON:
         of DEPTH slots per (token, tile column) only if it beats the token's n-th best (an equal
         score never does: the earlier, lower id wins); when some queue is full, and at the end,
         n passes of max over `top` and the queues rebuild `top`.
+
+        LISTS > 0 instead keeps the LISTS largest keys of each (token, column) in LISTS sorted
+        [BT, BS] tensors (a new key passes down them with a max and a min each; thread-local)
+        and the largest block key a list pushed out; at the end n passes over the first list
+        pick the n best. The program stores its flag: 1 when a pushed-out key beats the n-th
+        best kept, i.e. some column held more than LISTS of a token's n best. RERUN runs only
+        the flagged programs (the others get an empty token range), with the queues.
         """
         BC: tl.constexpr = BS * RP
         NC: tl.constexpr = BT * GP
