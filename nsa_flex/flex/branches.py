@@ -1,7 +1,7 @@
 """NSA through FlexAttention: nsa_attention(..., impl="flex").
 
-window Flex call -> compressed call (with lse: one causal cuDNN call over token groups where it
-applies, see compressed_groups, else a Flex call) -> selection op -> selected branch -> gated
+compressed call (with lse: one causal cuDNN call over token groups where it applies, see
+compressed_groups, else a Flex call) -> selection op -> selected branch -> window Flex call -> gated
 sum. The selected branch is the block-centric op nsa_flex::selected_attention or a Flex call
 over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. All three calls use the folded GQA layout, q [B, T, Hq, D] ->
 [B, Hkv, T*G, D] (row t*G + g = query head h*G + g at token t), so none goes through
@@ -139,30 +139,24 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
         q_fold = q_room[:, :, :T * G]
     else:
         q_fold = fold(q, Hkv)
+    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
+    if block_indices is None:
+        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
+                                      cu_seqlens_cmp=cu_cmp)
     G = q.shape[2] // Hkv
-    block_op = tiles.selected_impl(T, G) == "block"
-    keys = None
-    if not block_op:
+    if tiles.selected_impl(T, G) == "block":
+        o_sel = fold(selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens), Hkv)
+        k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
+    else:
         keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
+        o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial, keys=keys)
         if k_win is None:
             # The window reads the same keys through a view of the selected branch's tensors: with
             # initial-block copies those are new tensors, and one saved copy of K/V beats two.
             k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
-    elif k_win is None:
-        k_win, v_win = k, v
-    # The window first: its kernel keeps the GPU busy while the compressed cuDNN call spends
-    # ~0.2 ms of host time before its own launches (docs/decisions.md, "The default path compiled").
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
-    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
-    if block_indices is None:
-        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
-                                      cu_seqlens_cmp=cu_cmp)
-    if block_op:
-        o_sel = fold(selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens), Hkv)
-    else:
-        o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial, keys=keys)
     return o_cmp, o_sel, o_win, block_indices
 
 
