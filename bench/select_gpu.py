@@ -32,24 +32,25 @@ from nsa_flex.ops.select import kernels as select_triton
 DEFAULT = {}
 # Per shape (T, Hq): named launch settings, "default" first (the reference for equality and
 # speed). Defaults: G=16 -> BT=8 (128 columns), G=4 -> BT=16 (64 columns); 4 warps, 2 stages;
-# LISTS=6 sorted keys per (token, tile column), then the exact queues for the programs whose
-# lists lost a block. "exact queues" is the kernel before the lists (every program merges its
-# queues; docs/records/select_kernel_variants_h200.json has its tile sweep). From sm_90 builds
-# made without a GPU (Triton 3.6): 155 registers with the lists at G=4, 168 with the queues
-# (three programs per SM either way); maxnreg=128 would fit four.
-EXACT = {"LISTS": 0}
+# from 32 tiles of selection blocks on, LISTS=6 sorted keys per (token, tile column), then the
+# exact queues for the programs whose lists lost a block, with a cap of 128 registers at G=4.
+# "exact queues" is the kernel before the lists (every program merges its queues;
+# docs/records/select_kernel_variants_h200.json has its tile sweep). From sm_90 builds made
+# without a GPU (Triton 3.6): 155 registers with the lists at G=4 (128 capped, no spills), 168
+# with the queues; three programs per SM, four with the cap.
+EXACT = {"LISTS": 0, "maxnreg": 0}
 SETTINGS = {
     (16384, 64): {"default": DEFAULT, "exact queues": EXACT},
     (65536, 64): {"default": DEFAULT, "exact queues": EXACT, "maxnreg128": {"maxnreg": 128}},
-    (32768, 16): {"default": DEFAULT, "exact queues": EXACT},
+    (32768, 16): {"default": DEFAULT, "no register cap": {"maxnreg": 0}, "exact queues": EXACT},
     (65536, 16): {
         "default": DEFAULT,
+        "no register cap": {"maxnreg": 0},
         "exact queues": EXACT,
         "exact queues, stages3": {**EXACT, "num_stages": 3},
         "LISTS4": {"LISTS": 4},
-        "LISTS8": {"LISTS": 8},
+        "LISTS8": {"LISTS": 8, "maxnreg": 0},
         "no rotation": {"ROTATE": 0},
-        "maxnreg128": {"maxnreg": 128},
     },
 }
 

@@ -166,11 +166,16 @@ def test_launch_config_defaults():
     for G, BT in [(1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 8)]:
         for Dk in (64, 128, 192):
             assert select_triton.launch_config(G, Dk, 16) == {
-                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 0, "ROTATE": 1, "num_warps": 4, "num_stages": 2}
+                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 0, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
+                "maxnreg": 0}
     assert select_triton.launch_config(4, 128, 32)["BS"] == 32
-    # The lists from 32 tiles of selection blocks on (T = 32k at the paper's geometry).
+    # The lists from 32 tiles of selection blocks on (T = 32k at the paper's geometry), with a
+    # register cap of 128 at G' = 4 and Dk <= 128 only.
     assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
+    caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"] for G in (2, 3, 4, 8) for Dk in (64, 128, 192)}
+    assert {key for key, cap in caps.items() if cap} == {(3, 64), (3, 128), (4, 64), (4, 128)}
+    assert all(cap in (0, 128) for cap in caps.values())
 
 
 def test_lists_out_of_range():
@@ -204,6 +209,7 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
     # The lists (the default from 32k tokens on), the exact pass rerunning programs that lost a block.
     pytest.param(*G16, dict(LISTS=6), id="G16-D128-lists6"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6), id="G4-lists6"),
+    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=128), id="G4-lists6-maxnreg128"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=4, ROTATE=0), id="G4-lists4-no-rotation"),
 ])
 def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):

@@ -44,7 +44,7 @@ try:
 except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its torch twin
     HAS_TRITON = False
 
-# The keys of select_blocks_triton's tiles (maxnreg, a register cap, is a tuning-sweep extra).
+# The keys of select_blocks_triton's tiles (maxnreg: a cap on registers per thread, 0 for none).
 TILE_KEYS = ("BT", "BS", "DEPTH", "LISTS", "ROTATE", "num_warps", "num_stages", "maxnreg")
 
 
@@ -75,12 +75,18 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     tiles) the queues alone were faster, 0.57 against 0.63 (docs/records/select_lists_h200.json).
     Random inputs lost a block in 0.3% of the programs (0.02% of the tokens), which the exact
     pass reruns; 4 keys lost in 32% of them (3.42 ms), 8 in none (2.73 ms, more registers).
+
+    With the lists at G' = 4 and Dk <= 128 (64 score columns) the kernel takes 155 registers
+    (three programs per SM); capped at 128 it does not spill (four): 2.54 against 2.64 ms at
+    T=64k, G=4. At G=8 a cap of 128 spills (207 registers uncapped), and at G=16 it was slower
+    (6.27 against 6.00 ms); at G <= 2 the kernel needs fewer than 128.
     """
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
     BS = max(16, next_pow2(n))
-    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": 6 if blocks >= 32 * BS else 0, "ROTATE": 1,
-            "num_warps": 4, "num_stages": 2}
+    lists = 6 if blocks >= 32 * BS else 0
+    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
+            "maxnreg": 128 if lists and GP == 4 and Dk <= 128 else 0}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
@@ -136,7 +142,7 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
             VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
             LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-            **({"maxnreg": tiles["maxnreg"]} if "maxnreg" in tiles else {}),
+            **({"maxnreg": tiles["maxnreg"]} if tiles["maxnreg"] else {}),
         )
 
     if tiles["LISTS"]:
