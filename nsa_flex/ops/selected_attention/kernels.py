@@ -121,20 +121,16 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
-        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, n_items_ptr,
-        dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, Hkv, Nv, T0, scale,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
-        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr, ADD: tl.constexpr, IN_PLACE: tl.constexpr,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """dQ partials [B,T',Hq,n,Dk] of the item's tokens; the item's dK/dV.
+        """dQ partials [B,T',Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
-        The item alone in its block (the usual case but for block 0) stores the block's dK/dV
-        itself, as _block_sum_kernel would (dk / dv, ADD, IN_PLACE: its arguments); otherwise
-        it writes an fp32 partial [BL, D] at its item row of dkp / dvp for _block_sum_kernel.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
@@ -173,28 +169,40 @@ if HAS_TRITON:
                 row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
                 tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & (dk[None, :] < DK))
-            if tl.load(n_items_ptr + tl.load(item_blk_ptr + w)) == 1:
-                _block_grads_out(dk_acc * sc, dv_acc, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, b, h, ks, ke,
-                                 sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, BL, DK, DKP, DV, DVP, ADD, IN_PLACE)
-            else:
-                r = tl.arange(0, BL)
-                tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
-                tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
+            r = tl.arange(0, BL)
+            tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
+            tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
 
     @triton.jit
-    def _block_grads_out(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, b, h, ks, ke,
-                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                         DV: tl.constexpr, DVP: tl.constexpr, ADD: tl.constexpr, IN_PLACE: tl.constexpr):
-        """Store one block's dK, dV (fp32 sums of this range, [BL, D]) at its keys [ks, ke) of head h.
+    def _block_sum_kernel(
+        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
+        blk_end_ptr, Hkv, Nv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        ADD: tl.constexpr, IN_PLACE: tl.constexpr,
+    ):
+        """dK, dV of one (batch, kv head, virtual block): its items' partials summed in item order.
 
-        ADD: plus dk_in / dv_in (fp32, dK/dV's strides), the sums of the token ranges before this
-        one; IN_PLACE: those sums are read from dk / dv themselves (the caller owns the block's
-        keys), so no launch gets one tensor twice."""
+        Every key lies in exactly one virtual block, so this writes all of dK and dV (zeros for
+        keys no token selected). ADD: plus dk_in / dv_in (fp32, dK/dV's strides), the sums of
+        the token ranges before this one; IN_PLACE: those sums are read from dk / dv themselves
+        (a program owns its keys), so no launch gets one tensor twice."""
+        row = tl.program_id(0)
+        vb = row % Nv
+        b = (row // Nv // Hkv).to(tl.int64)
+        h = (row // Nv) % Hkv
+        first = tl.load(first_item_ptr + row).to(tl.int64)
+        count = tl.load(n_items_ptr + row)
         r = tl.arange(0, BL)
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
-        key = ks + r
-        key_ok = key < ke
+        dk_acc = tl.zeros([BL, DKP], tl.float32)
+        dv_acc = tl.zeros([BL, DVP], tl.float32)
+        for i in range(count):
+            w = first + i
+            dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
+            dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
+        key = tl.load(blk_start_ptr + vb) + r
+        key_ok = key < tl.load(blk_end_ptr + vb)
         kt = key.to(tl.int64)[:, None]
         if ADD:
             if IN_PLACE:
@@ -211,38 +219,6 @@ if HAS_TRITON:
                  mask=key_ok[:, None] & (dk[None, :] < DK))
         tl.store(dv_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
                  mask=key_ok[:, None] & (dv[None, :] < DV))
-
-    @triton.jit
-    def _block_sum_kernel(
-        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
-        blk_end_ptr, Hkv, Nv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-        BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        ADD: tl.constexpr, IN_PLACE: tl.constexpr,
-    ):
-        """dK, dV of one (batch, kv head, virtual block): its items' partials summed in item order.
-
-        Every key lies in exactly one virtual block, so this and _bwd_kernel together write all of
-        dK and dV (zeros for keys no token selected): a block of one item was stored by that item
-        (_bwd_kernel), the rest here. ADD, IN_PLACE: as _block_grads_out."""
-        row = tl.program_id(0)
-        count = tl.load(n_items_ptr + row)
-        if count != 1:
-            vb = row % Nv
-            b = (row // Nv // Hkv).to(tl.int64)
-            h = (row // Nv) % Hkv
-            first = tl.load(first_item_ptr + row).to(tl.int64)
-            r = tl.arange(0, BL)
-            dk = tl.arange(0, DKP)
-            dv = tl.arange(0, DVP)
-            dk_acc = tl.zeros([BL, DKP], tl.float32)
-            dv_acc = tl.zeros([BL, DVP], tl.float32)
-            for i in range(count):
-                w = first + i
-                dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
-                dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
-            _block_grads_out(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, b, h, tl.load(blk_start_ptr + vb),
-                             tl.load(blk_end_ptr + vb), sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV, DVP,
-                             ADD, IN_PLACE)
 
     @triton.jit
     def _slot_kernel(

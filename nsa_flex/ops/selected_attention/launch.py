@@ -198,24 +198,21 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
-        last = i == len(ranges) - 1
-        # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
-        # A block's only item stores its dK/dV itself; _block_sum_kernel sums the other blocks' items.
-        dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
-        # Never read unless the last of several ranges: k / v stand in (a tensor no launch writes).
-        dk_in, dv_in = (dk_sum, dv_sum) if last and i > 0 else (k, v)
-        sums = dict(ADD=i > 0, IN_PLACE=not last)
         if W > 0:
             wrap_triton(kernels._bwd_kernel)[(W,)](
                 q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
-                index.blk_start, index.blk_end, items.n_items, dk_out, dv_out, dk_in, dv_in, Hkv, Nv, t0, scale,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
-                *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3], **consts, **sums, **_launch(cfg, "bwd"))
+                index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
+                *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
+                **_launch(cfg, "bwd"))
+        last = i == len(ranges) - 1
+        # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
+        dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
+        dk_in, dv_in = (dk_sum, dv_sum) if last and i > 0 else (dkp, dvp)  # dkp / dvp: never read
         if B * Hkv * Nv > 0:
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
                 dkp, dvp, dk_out, dv_out, dk_in, dv_in, items.first_item, items.n_items, index.blk_start,
                 index.blk_end, Hkv, Nv, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk,
-                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], **sums,
+                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], ADD=i > 0, IN_PLACE=not last,
                 num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         _slot_sum(dqp, None, index, dq, None, t0, merge=False)
     return dq, dk, dv
