@@ -60,6 +60,12 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     against 2.97 / 12.63 with M = 64, the forward 1.43 / 6.00 against 1.51 / 6.69 with 2 stages
     (docs/decisions.md).
 
+    At 16-bit with Dk = Dv = 128 the forward takes 210 registers at G=4 (195 at G=16) and 74 KB
+    of shared memory: two programs per SM. Capped at 168 registers it fits three (40 bytes of
+    spills at G=4, none at G=16): on an H200 the forward kernel took 3.39 against 3.82 ms at
+    T=64k, G=4, 1.66 against 1.86 at 32k, 11.40 against 14.06 at 64k, G=16 (torch profiler,
+    docs/records/selected_forward_maxnreg_kernels_h200.json).
+
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
     GP = next_pow2(G)
@@ -70,7 +76,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
             "bwd_chunks": 16 if wide_rows else 32, "fwd_warps": 4, "bwd_warps": 8 if DKP + DVP >= 256 else 4,
             "fwd_stages": 4 if wide_rows else 2, "bwd_stages": 3 if narrow else 2,
-            "fwd_maxnreg": 0, "bwd_maxnreg": 0, "range_tokens": 0}
+            "fwd_maxnreg": 168 if wide_rows else 0, "bwd_maxnreg": 0, "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:

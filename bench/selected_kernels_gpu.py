@@ -1,0 +1,71 @@
+"""Kernel times of the block-centric selected op per launch setting, from torch.profiler, on a GPU.
+
+    python -m bench.selected_kernels_gpu --out $OUT/selected_kernels.json --shapes 1:65536:16:4:128 \\
+        --variants default=- fwd_reg0=fwd_maxnreg:0 bwd_reg128=bwd_maxnreg:128
+
+For each shape B:T:Hq:Hkv:D (bf16, NSA-shaped random selections from nsa_flex.bench.selected) and
+each variant (NAME=KEY:INT,KEY:INT over launch_config's tiles; "-" for none), run twice in turn:
+the CUDA time per call of each kernel of launch.forward and of launch.backward (three calls each
+under the profiler), and the forward's median from triton.testing.do_bench. Kernel sums are
+steadier between calls than wall times (bench.selected_tiles_gpu times the whole calls).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import header, parse_shape, row_recorder, shape_script_parser
+from nsa_flex.bench.selected import random_selection
+from nsa_flex.config import NSAConfig
+from nsa_flex.ops.selected_attention import launch
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    name, _, keys = spec.partition("=")
+    if keys in ("", "-"):
+        return name, {}
+    return name, {k: int(v) for k, v in (kv.split(":") for kv in keys.split(","))}
+
+
+def kernel_ms(fn, calls: int = 3) -> dict[str, float]:
+    """CUDA ms per call of each kernel whose name starts with "_" (the op's Triton kernels) and their sum."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ms = {e.key[:40]: e.self_device_time_total / calls / 1e3 for e in prof.key_averages() if e.key.startswith("_")}
+    return {**ms, "sum": sum(ms.values())}
+
+
+def main() -> None:
+    p = shape_script_parser(__doc__, ["1:65536:16:4:128"])
+    p.add_argument("--variants", nargs="+", default=["default=-"], help="NAME=KEY:INT,... or NAME=-")
+    args = p.parse_args()
+    import triton
+
+    _, add = row_recorder(args.out, header(args.commit))
+    variants = [parse_variant(v) for v in args.variants]
+    for shape in args.shapes:
+        B, T, Hq, Hkv, D = parse_shape(shape)
+        cfg = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16)
+                       for h in (Hq, Hkv, Hkv, Hq))
+        bi = random_selection(B, Hkv, T, cfg, "cuda")
+        scale = D ** -0.5
+        for rep in range(2):
+            for name, tiles in variants:
+                o, lse = launch.forward(q, k, v, bi, None, scale, cfg.sel_block, tiles)
+                fwd = lambda: launch.forward(q, k, v, bi, None, scale, cfg.sel_block, tiles)  # noqa: E731
+                bwd = lambda: launch.backward(do, q, k, v, o, lse, bi, None, scale, cfg.sel_block, tiles)  # noqa: E731
+                fwd()
+                bwd()
+                add({"shape": shape, "variant": name, "tiles": {**launch.launch_config(Hq // Hkv, D, D, q.dtype), **tiles},
+                     "round": rep, "forward_kernels_ms": kernel_ms(fwd), "backward_kernels_ms": kernel_ms(bwd),
+                     "forward_do_bench_ms": triton.testing.do_bench(fwd, warmup=5, rep=100)})
+
+
+if __name__ == "__main__":
+    main()
