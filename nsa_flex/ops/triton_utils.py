@@ -41,34 +41,6 @@ def quiet_without_triton():
         log.setLevel(level)
 
 
-_CAPPED: dict = {}
-
-
-def capped_launch(name: str, kernel, device: torch.device, num_warps: int, num_stages: int, maxnreg: int = 0):
-    """(kernel, launch kwargs) for a launch with num_warps, num_stages and a cap of maxnreg registers
-    per thread (0: none).
-
-    torch.compile (Inductor, torch 2.11) drops a maxnreg given at the launch of a user-defined
-    Triton kernel; it keeps the configs of a triton.autotune. So a capped kernel is launched
-    through a one-config autotune whose config holds the cap, made once per (name, settings) and
-    kept here (make the ones a compiled path needs before tracing: see prepare_capped). Without
-    a GPU (Triton's interpreter) there are no registers to cap."""
-    if not maxnreg or device.type != "cuda":
-        return kernel, {"num_warps": num_warps, "num_stages": num_stages}
-    key = (name, num_warps, num_stages, maxnreg)
-    if key not in _CAPPED:
-        _CAPPED[key] = triton.autotune(
-            [triton.Config({"maxnreg": maxnreg}, num_warps=num_warps, num_stages=num_stages)], key=[])(kernel)
-    return _CAPPED[key], {}
-
-
-def prepare_capped(name: str, kernel, num_warps: int, num_stages: int, maxnreg: int) -> None:
-    """Make capped_launch's autotune for these settings now (at import), so that code torch.compile
-    traces only looks it up."""
-    if HAS_TRITON and maxnreg:
-        capped_launch(name, kernel, torch.device("cuda"), num_warps, num_stages, maxnreg)
-
-
 def pdl_launch(device: torch.device, wanted: bool) -> dict:
     """Launch arguments for a kernel with a PDL constexpr (see pdl_wait): programmatic dependent
     launch where wanted and the GPU has it (sm_90 and newer); launch_pdl only then, since the

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops.triton_utils import capped_launch, next_pow2, prepare_capped
+from nsa_flex.ops.triton_utils import next_pow2
 
 try:
     import triton
@@ -132,9 +132,7 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
     flags = torch.empty(B * Hkv * n_programs, dtype=torch.int32, device=q.device)
 
     def launch(lists: int, rerun: bool) -> None:
-        kernel, options = capped_launch("select", _select_kernel, q.device, tiles["num_warps"], tiles["num_stages"],
-                                        tiles["maxnreg"])
-        wrap_triton(kernel)[(n_programs, B * Hkv)](
+        wrap_triton(_select_kernel)[(n_programs, B * Hkv)](
             q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
             *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
             G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
@@ -142,7 +140,9 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
             SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
             N_INIT=config.n_initial, N_LOCAL=config.n_local,
             VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
-            LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun, **options,
+            LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun,
+            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+            **({"maxnreg": tiles["maxnreg"]} if tiles["maxnreg"] else {}),
         )
 
     if tiles["LISTS"]:
@@ -428,7 +428,3 @@ if HAS_TRITON:
         res = tl.where(res == BIG, -1, res)
         o_ptrs = out_ptr + b * so_b + h * so_h + tok.to(tl.int64)[:, None] * so_t + jb
         tl.store(o_ptrs, res, mask=tok_ok[:, None] & (jb < N))
-
-    # The cap with the lists at G' = 4 (launch_config), made before any trace.
-    _lists = launch_config(4, 128, 16, 1 << 20)
-    prepare_capped("select", _select_kernel, _lists["num_warps"], _lists["num_stages"], _lists["maxnreg"])

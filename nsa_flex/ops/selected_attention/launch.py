@@ -13,7 +13,7 @@ from torch import Tensor
 
 from nsa_flex.ops.selected_attention import kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
-from nsa_flex.ops.triton_utils import capped_launch, next_pow2, prepare_capped
+from nsa_flex.ops.triton_utils import next_pow2
 
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
@@ -79,12 +79,6 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
             "fwd_maxnreg": 168 if wide_rows else 0, "bwd_maxnreg": 0, "range_tokens": 0}
 
 
-if kernels.HAS_TRITON:
-    # The forward's cap at 16-bit Dk = Dv = 128 (launch_config), made before any trace.
-    _wide = launch_config(4, 128, 128, torch.bfloat16)
-    prepare_capped("fwd", kernels._fwd_kernel, _wide["fwd_warps"], _wide["fwd_stages"], _wide["fwd_maxnreg"])
-
-
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     """The partial o / dQ buffers' dtype: the inputs' own. A 16-bit partial is one rounding of a
     block's normalised output (or a slot's dQ) before the fp32 merge, against fp32 partials it
@@ -132,10 +126,12 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
     return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype), **tiles}
 
 
-def _launch(cfg: dict, pass_: str, device: torch.device):
-    """(kernel, launch kwargs) of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
-    kernel = kernels._fwd_kernel if pass_ == "fwd" else kernels._bwd_kernel
-    return capped_launch(pass_, kernel, device, cfg[f"{pass_}_warps"], cfg[f"{pass_}_stages"], cfg[f"{pass_}_maxnreg"])
+def _launch(cfg: dict, pass_: str) -> dict:
+    """Triton launch options of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
+    out = {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"]}
+    if cfg[f"{pass_}_maxnreg"]:
+        out["maxnreg"] = cfg[f"{pass_}_maxnreg"]
+    return out
 
 
 def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int) -> dict:
@@ -175,11 +171,11 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
         if items.blk.shape[0] > 0:
-            kernel, options = _launch(cfg, "fwd", q.device)
-            wrap_triton(kernel)[(items.blk.shape[0],)](
+            wrap_triton(kernels._fwd_kernel)[(items.blk.shape[0],)](
                 q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
                 index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts, **options)
+                *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
+                **_launch(cfg, "fwd"))
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
@@ -209,11 +205,11 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         if W > 0:
-            kernel, options = _launch(cfg, "bwd", q.device)
-            wrap_triton(kernel)[(W,)](
+            wrap_triton(kernels._bwd_kernel)[(W,)](
                 q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
                 index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts, **options)
+                *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
+                **_launch(cfg, "bwd"))
         last = i == len(ranges) - 1
         # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
         dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
