@@ -64,7 +64,10 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     of shared memory: two programs per SM. Capped at 168 registers it fits three (40 bytes of
     spills at G=4, none at G=16): on an H200 the forward kernel took 3.39 against 3.82 ms at
     T=64k, G=4, 1.66 against 1.86 at 32k, 11.40 against 14.06 at 64k, G=16 (torch profiler,
-    docs/records/selected_forward_maxnreg_kernels_h200.json).
+    docs/records/selected_forward_maxnreg_kernels_h200.json). Eager launches only: torch.compile
+    (Inductor, torch 2.11) drops maxnreg from user-defined Triton kernels, also from a one-config
+    triton.autotune's config, so the compiled op runs the forward uncapped (3.89 ms at 64k, G=4;
+    docs/decisions.md, "The block-centric selected branch").
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
