@@ -58,6 +58,18 @@ def parse_shape(shape: str) -> tuple[int, int, int, int, int]:
     return B, T, Hq, Hkv, D
 
 
+def selected_op_inputs(shape: str):
+    """(config, q, k, v, dO, selection) of the block-centric selected op at B:T:Hq:Hkv:D: bf16
+    N(0, 1) tensors from a fixed seed and NSA-shaped random selections (nsa_flex.bench.selected)."""
+    from nsa_flex.bench.selected import random_selection
+
+    B, T, Hq, Hkv, D = parse_shape(shape)
+    cfg = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv, Hq))
+    return cfg, q, k, v, do, random_selection(B, Hkv, T, cfg, "cuda")
+
+
 def json_saver(path: Path, record: dict) -> Callable[[], None]:
     """A save() that writes `record` (as it is at the time of the call) to `path`, folders made as needed."""
 

@@ -122,13 +122,19 @@ def source_of(frames: list[dict]) -> str:
 
 
 def peak_live(model: NSALM, tokens: torch.Tensor, loss_fn) -> dict:
-    """Alive allocations at the peak of one fwd+bwd, replayed from the allocator's trace."""
+    """Alive allocations at the peak of one fwd+bwd of the model."""
+    return peak_of(lambda: fwd_bwd(model, tokens, loss_fn))
+
+
+def peak_of(run, groups_kept: int = 60) -> dict:
+    """Alive allocations at the peak of run(), replayed from the allocator's trace, grouped by
+    the line that made them (source_of): base (MiB allocated before), peak over it, the groups."""
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
-        fwd_bwd(model, tokens, loss_fn)
+        run()
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
@@ -149,7 +155,7 @@ def peak_live(model: NSALM, tokens: torch.Tensor, loss_fn) -> dict:
         g = groups[source_of(ev.get("frames", []))]
         g[0] += 1
         g[1] += ev["size"]
-    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:60]
+    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:groups_kept]
     return {"base_mib": base / MIB, "peak_over_base_mib": peak / MIB,
             "groups": [{"where": k, "count": c, "mib": b / MIB} for k, (c, b) in top]}
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import header, parse_shape, row_recorder, shape_script_parser
-from nsa_flex.bench.selected import random_selection
-from nsa_flex.config import NSAConfig
+from bench.common import header, parse_shape, row_recorder, selected_op_inputs, shape_script_parser
 from nsa_flex.ops.selected_attention import launch
 
 
@@ -49,11 +47,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants]
     for shape in args.shapes:
         B, T, Hq, Hkv, D = parse_shape(shape)
-        cfg = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(B, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16)
-                       for h in (Hq, Hkv, Hkv, Hq))
-        bi = random_selection(B, Hkv, T, cfg, "cuda")
+        cfg, q, k, v, do, bi = selected_op_inputs(shape)
         scale = D ** -0.5
         for rep in range(2):
             for name, tiles in variants:

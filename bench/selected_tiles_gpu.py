@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_ms, header, parse_shape, row_recorder, shape_script_parser
-from nsa_flex.bench.selected import random_selection
-from nsa_flex.config import NSAConfig
+from bench.common import bench_ms, header, parse_shape, row_recorder, selected_op_inputs, shape_script_parser
 from nsa_flex.ops.selected_attention import launch
 
 VARIANTS = {
@@ -58,11 +56,7 @@ def main() -> None:
     rows, add = row_recorder(args.out, {**header(args.commit), "variants": variants})
     for shape in args.shapes:
         B, T, Hq, Hkv, D = parse_shape(shape)
-        cfg = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(B, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16)
-                       for h in (Hq, Hkv, Hkv, Hq))
-        bi = random_selection(B, Hkv, T, cfg, "cuda")
+        cfg, q, k, v, do, bi = selected_op_inputs(shape)
         scale, L = D ** -0.5, cfg.sel_block
         base = None
         for name, tiles in variants.items():
