@@ -215,3 +215,18 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
 def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
     """Settings bench/select_gpu.py times, on longer inputs (many tiles and merges)."""
     check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
+
+
+@pytest.mark.gpu
+def test_lists_and_rerun_under_fullgraph_compile():
+    """The two launches of the lists path (lists, then the exact pass over the flagged programs)
+    traced by torch.compile(fullgraph=True): with one key per list most programs rerun, and the
+    compiled selection must still equal the reference up to near-ties."""
+    config = make_config(4, 64, 16)
+    q, k_cmp, lse = make_inputs(1, 1500, config, dtype=HALF, seed=5, device=DEVICE)
+    tiles = dict(BT=8, LISTS=1)
+    compiled = torch.compile(lambda q, k, l: select_triton.select_blocks_triton(
+        q, k, l, None, None, q.shape[-1] ** -0.5, config, tiles), fullgraph=True)
+    got = compiled(q, k_cmp, lse)
+    want, scores = reference_selection(q, k_cmp, lse, config)
+    assert_same_selection(got, want, scores, selection_tolerance(q, k_cmp, lse, config))

@@ -229,6 +229,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
 
 def _delta(do: Tensor, o: Tensor) -> Tensor:
     """rowsum(dO * O) in fp32 as [B, Hq, T]: one pass over dO and O, ~64 rows per program."""
+    o = o.contiguous()  # see _dense: the kernel gets strides fixed at trace time
     B, T, Hq, D = o.shape
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=o.device)
     HP = next_pow2(Hq)
