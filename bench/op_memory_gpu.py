@@ -3,7 +3,7 @@
     python -m bench.op_memory_gpu --out runs/bench/op_memory.json --shapes g4:65536 bench:65536
 
 For each preset:T, the op as nsa_attention runs by default (impl="flex", compiled on CUDA) on
-random bf16 inputs with gradients (q, k, v, k_cmp, v_cmp, gates; the bench's), and dense cuDNN
+the attention bench's random bf16 inputs with gradients (nsa_flex.bench.impls.nsa_inputs), and dense cuDNN
 SDPA with GQA: two warm-up calls, then one fwd+bwd under the allocator's trace, replayed to the
 allocations alive at the peak, grouped by the line that made them (bench.memory_probe_gpu.peak_of).
 """
@@ -19,25 +19,17 @@ import torch.nn.functional as F
 from bench.common import header, json_saver
 from bench.memory_probe_gpu import peak_of
 from nsa_flex.attention import nsa_attention
-from nsa_flex.blocks import num_cmp_blocks
-from nsa_flex.config import PRESETS
+from nsa_flex.bench.attention import attention_config
+from nsa_flex.bench.impls import Problem, nsa_inputs
 
 MIB = 2**20
 
 
-def inputs(cfg, T: int) -> dict[str, torch.Tensor]:
-    Tc = num_cmp_blocks(T, cfg)
-    Hq, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
-    shapes = {"q": (1, T, Hq, Dk), "k": (1, T, Hkv, Dk), "v": (1, T, Hkv, Dv), "k_cmp": (1, Tc, Hkv, Dk),
-              "v_cmp": (1, Tc, Hkv, Dv)}
-    x = {n: torch.randn(s, device="cuda", dtype=torch.bfloat16) for n, s in shapes.items()}
-    x["gates"] = torch.sigmoid(torch.randn(1, T, Hq, 3, device="cuda", dtype=torch.bfloat16))
-    return {n: t.requires_grad_(True) for n, t in x.items()}
-
-
-def measure(cfg, T: int, impl: str) -> dict:
-    """The row of one (config, T, impl): the peak of one fwd+bwd after two warm-up calls, and what is alive then."""
-    x = inputs(cfg, T)
+def measure(preset: str, T: int, impl: str) -> dict:
+    """The row of one (preset, T, impl): the peak of one fwd+bwd after two warm-up calls, and what is alive then."""
+    bench_cfg = attention_config(device="cuda", preset=preset, impls=("nsa-flex",), dtype="bf16")
+    cfg = bench_cfg.nsa
+    x = nsa_inputs(Problem(bench_cfg, T), grad=True)
     do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
 
     def forward():
@@ -75,7 +67,7 @@ def main() -> None:
         preset, T = spec.split(":")
         for impl in ("nsa", "dense"):
             torch.cuda.empty_cache()
-            row = {"preset": preset, **measure(PRESETS[preset], int(T), impl)}
+            row = {"preset": preset, **measure(preset, int(T), impl)}
             record["rows"].append(row)
             print(f"{spec} {impl}: peak {row['max_allocated_mib']:.0f} MiB", flush=True)
             for g in row["groups"][:20]:
