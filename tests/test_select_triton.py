@@ -106,6 +106,8 @@ CASES = [
     # block and the exact pass reruns them (without the rerun these selections are wrong).
     pytest.param(1, 333, 4, 64, 6, "paper", HALF, dict(LISTS=0), id="G4-exact-queues"),
     pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1), id="G4-n16-lists1"),
+    # A register cap: both launches through nsa_flex::capped_launch (the interpreter ignores the cap).
+    pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1, maxnreg=128), id="G4-n16-lists1-maxnreg128"),
     pytest.param(1, 1500, 4, 128, 16, "paper", HALF, dict(LISTS=6), id="G4-n16-lists6"),
     pytest.param(1, 1100, 2, 32, 16, "paper", FP32, dict(LISTS=2, ROTATE=0), id="G2-n16-lists2-no-rotation"),
 ]
@@ -218,13 +220,15 @@ def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
 
 
 @pytest.mark.gpu
-def test_lists_and_rerun_under_fullgraph_compile():
+@pytest.mark.parametrize("maxnreg", [0, 128])
+def test_lists_and_rerun_under_fullgraph_compile(maxnreg):
     """The two launches of the lists path (lists, then the exact pass over the flagged programs)
     traced by torch.compile(fullgraph=True): with one key per list most programs rerun, and the
-    compiled selection must still equal the reference up to near-ties."""
+    compiled selection must still equal the reference up to near-ties. With a register cap the
+    launches run through nsa_flex::capped_launch."""
     config = make_config(4, 64, 16)
     q, k_cmp, lse = make_inputs(1, 1500, config, dtype=HALF, seed=5, device=DEVICE)
-    tiles = dict(BT=8, LISTS=1)
+    tiles = dict(BT=8, LISTS=1, maxnreg=maxnreg)
     compiled = torch.compile(lambda q, k, l: select_triton.select_blocks_triton(
         q, k, l, None, None, q.shape[-1] ** -0.5, config, tiles), fullgraph=True)
     got = compiled(q, k_cmp, lse)

@@ -33,12 +33,12 @@ from __future__ import annotations
 import torch
 
 from nsa_flex.config import NSAConfig
+from nsa_flex.ops.capped_launch import launch as launch_kernel
 from nsa_flex.ops.triton_utils import next_pow2
 
 try:
     import triton
     import triton.language as tl
-    from torch.library import wrap_triton
 
     HAS_TRITON = True
 except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its torch twin
@@ -134,8 +134,8 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
     flags = torch.empty(B * Hkv * n_programs, dtype=torch.int32, device=q.device)
 
     def launch(lists: int, rerun: bool) -> None:
-        wrap_triton(_select_kernel)[(n_programs, B * Hkv)](
-            q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
+        launch_kernel(
+            _select_kernel, (n_programs, B * Hkv), q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
             *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
             G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
             R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
@@ -143,7 +143,7 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
             N_INIT=config.n_initial, N_LOCAL=config.n_local,
             VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
             LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun,
-            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], writes=(out, flags),
             **({"maxnreg": tiles["maxnreg"]} if tiles["maxnreg"] else {}),
         )
 

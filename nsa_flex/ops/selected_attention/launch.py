@@ -11,6 +11,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import next_pow2
@@ -174,11 +175,11 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
         if items.blk.shape[0] > 0:
-            wrap_triton(kernels._fwd_kernel)[(items.blk.shape[0],)](
-                q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
-                index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], **consts,
-                **_launch(cfg, "fwd"))
+            launch(kernels._fwd_kernel, (items.blk.shape[0],),
+                   q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
+                   index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
+                   *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], writes=(po, plse), **consts,
+                   **_launch(cfg, "fwd"))
         _slot_sum(po, plse, index, o, lse, t0, merge=True)
     return o, lse
 
@@ -208,11 +209,11 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         if W > 0:
-            wrap_triton(kernels._bwd_kernel)[(W,)](
-                q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
-                index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
-                *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], **consts,
-                **_launch(cfg, "bwd"))
+            launch(kernels._bwd_kernel, (W,),
+                   q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
+                   index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
+                   *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], writes=(dqp, dkp, dvp),
+                   **consts, **_launch(cfg, "bwd"))
         last = i == len(ranges) - 1
         # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
         dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)

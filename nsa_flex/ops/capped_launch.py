@@ -1,0 +1,89 @@
+"""Triton launches that keep their register cap (maxnreg) under torch.compile.
+
+Inside a triton_op, torch.compile traces a wrap_triton launch, and Inductor then launches the
+kernel itself from configs it builds out of num_warps and num_stages: a maxnreg given at launch
+is dropped without a word (torch 2.11; docs/decisions.md, "Register caps under torch.compile").
+So launch() sends a capped launch through nsa_flex::capped_launch, a custom_op that Inductor
+calls as an opaque function, whose body launches with Triton's own launcher; uncapped launches
+stay traced (wrap_triton), which costs less host time.
+"""
+
+# No `from __future__ import annotations` here: torch.library reads the op's annotations.
+import ast
+import functools
+import importlib
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from nsa_flex.ops.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    from torch.library import wrap_triton
+
+
+def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), traceable by torch.compile, with kwargs["maxnreg"] honoured.
+
+    kernel: a module-level @triton.jit function. args: tensors, None, bools, ints and floats.
+    writes: the tensors among args that the kernel stores to (a capped launch declares them to
+    torch.library; the other tensors are only read). kwargs: constexprs and launch options, all
+    plain values (bool, int, float, str, None).
+    """
+    if not kwargs.get("maxnreg"):
+        wrap_triton(kernel)[tuple(grid)](*args, **kwargs)
+        return
+    name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
+    if not torch.compiler.is_compiling() and _kernel(name) is not kernel:
+        raise ValueError(f"a capped launch needs a module-level @triton.jit kernel, got {name}")
+    written = list(writes)
+    reads, ints, floats, spec = [], [], [], []
+    for a in args:
+        if isinstance(a, Tensor):
+            w = next((i for i, x in enumerate(written) if x is a), None)
+            spec.append(("r", len(reads)) if w is None else ("w", w))
+            if w is None:
+                reads.append(a)
+        elif a is None or isinstance(a, bool):
+            spec.append(("c", a))
+        elif isinstance(a, (int, torch.SymInt)):
+            spec.append(("i", len(ints)))
+            ints.append(a)
+        elif isinstance(a, (float, torch.SymFloat)):
+            spec.append(("f", len(floats)))
+            floats.append(a)
+        else:
+            raise TypeError(f"launch argument of type {type(a).__name__}; allowed: tensors, None, bool, int, float")
+    missing = [i for i, x in enumerate(written) if not any(x is a for a in args)]
+    if missing:
+        raise ValueError(f"writes[{missing[0]}] is not among the kernel's arguments")
+    # repr / literal_eval (not json): Dynamo folds repr of constants when it traces this function.
+    torch.ops.nsa_flex.capped_launch(name, list(grid), reads, written, ints, floats,
+                                     repr((tuple(spec), tuple(sorted(kwargs.items())))))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str):
+    module, attr = name.split(":")
+    return getattr(importlib.import_module(module), attr, None)
+
+
+# needs_exact_strides: the launch's strides are numbers fixed when torch.compile traced the call,
+# so the tensors must keep exactly those strides.
+_TAGS = tuple(getattr(torch.Tag, t) for t in ("needs_exact_strides",) if hasattr(torch.Tag, t))
+
+
+@custom_op("nsa_flex::capped_launch", mutates_args=("written",), tags=_TAGS)
+def _capped_launch(kernel: str, grid: list[int], reads: list[Tensor], written: list[Tensor], ints: list[int],
+                   floats: list[float], spec: str) -> None:
+    """Launch `kernel` (module:name) with the arguments launch() encoded in `spec`."""
+    arg_spec, kwargs = ast.literal_eval(spec)
+    pools = {"r": reads, "w": written, "i": ints, "f": floats}
+    args = [value if kind == "c" else pools[kind][value] for kind, value in arg_spec]
+    _kernel(kernel)[tuple(grid)](*args, **dict(kwargs))
+
+
+@_capped_launch.register_fake
+def _capped_launch_fake(kernel, grid, reads, written, ints, floats, spec) -> None:
+    return None
