@@ -51,6 +51,15 @@ def affine(x: torch.Tensor, a: float, b: float, maxnreg: int) -> tuple[torch.Ten
     return y, flag
 
 
+# As the package's ops do: the launch inside a triton_op, which torch.compile traces below Dynamo.
+if triton is not None:
+    torch.library.triton_op("nsa_flex_test::affine", mutates_args=())(affine)
+
+    @torch.library.register_fake("nsa_flex_test::affine")
+    def _affine_fake(x, a, b, maxnreg):
+        return torch.empty_like(x), x.new_empty(1, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("maxnreg", [0, 96])
 def test_launch_passes_every_argument(maxnreg):
     x = torch.randn(200, device=DEVICE)
@@ -65,7 +74,8 @@ def test_capped_launch_is_one_opaque_op_under_compile():
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     backend = AotEagerAndRecordGraphs()
-    compiled = torch.compile(lambda x: affine(x.sin(), 2.0, 0.5, 96), backend=backend, fullgraph=True)
+    compiled = torch.compile(lambda x: torch.ops.nsa_flex_test.affine(x.sin(), 2.0, 0.5, 96), backend=backend,
+                             fullgraph=True)
     x = torch.randn(100, device=DEVICE)
     got, want = compiled(x), affine(x.sin(), 2.0, 0.5, 96)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -74,12 +84,26 @@ def test_capped_launch_is_one_opaque_op_under_compile():
 
 
 @pytest.mark.gpu
+def test_launch_traced_by_dynamo_stays_wrap_triton():
+    """Compiled directly (Dynamo traces launch() itself), the launch is a plain traced one. GPU only:
+    Dynamo cannot trace a wrap_triton launch of an interpreted kernel."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(lambda x: affine(x.cos(), -1.0, 0.25, 96), backend=backend, fullgraph=True)
+    x = torch.randn(100, device=DEVICE)
+    torch.testing.assert_close(compiled(x), affine(x.cos(), -1.0, 0.25, 96), rtol=0, atol=0)
+    graph = "\n".join(g.print_readable(print_output=False) for g in backend.fw_graphs)
+    assert "capped_launch" not in graph and "triton_kernel_wrapper" in graph
+
+
+@pytest.mark.gpu
 def test_capped_launch_under_inductor_keeps_cap_and_writes_in_place():
     """Inductor calls the op with the cap and writes the kernel's outputs in place (no copies)."""
     from torch._inductor.utils import run_and_get_code
 
     x = torch.randn(4096, device=DEVICE)
-    compiled = torch.compile(lambda x: affine(x, 2.0, 0.5, 96), fullgraph=True)
+    compiled = torch.compile(lambda x: torch.ops.nsa_flex_test.affine(x, 2.0, 0.5, 96), fullgraph=True)
     got, codes = run_and_get_code(compiled, x)
     torch.testing.assert_close(got, affine(x, 2.0, 0.5, 96), rtol=0, atol=0)
     code = "\n".join(codes)

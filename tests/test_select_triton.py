@@ -219,6 +219,18 @@ def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
     check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
 
 
+def _select_lists(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, maxnreg: int) -> torch.Tensor:
+    """The kernel with one key per list, in a triton_op as nsa_flex::select_blocks runs it."""
+    return select_triton.select_blocks_triton(q, k_cmp, lse, None, None, q.shape[-1] ** -0.5, make_config(4, 64, 16),
+                                              dict(BT=8, LISTS=1, maxnreg=maxnreg))
+
+
+if select_triton.HAS_TRITON:
+    torch.library.triton_op("nsa_flex_test::select_lists", mutates_args=())(_select_lists)
+    torch.library.register_fake("nsa_flex_test::select_lists")(
+        lambda q, k_cmp, lse, maxnreg: q.new_empty((q.shape[0], k_cmp.shape[2], q.shape[1], 16), dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("maxnreg", [0, 128])
 def test_lists_and_rerun_under_fullgraph_compile(maxnreg):
@@ -228,9 +240,7 @@ def test_lists_and_rerun_under_fullgraph_compile(maxnreg):
     launches run through nsa_flex::capped_launch."""
     config = make_config(4, 64, 16)
     q, k_cmp, lse = make_inputs(1, 1500, config, dtype=HALF, seed=5, device=DEVICE)
-    tiles = dict(BT=8, LISTS=1, maxnreg=maxnreg)
-    compiled = torch.compile(lambda q, k, l: select_triton.select_blocks_triton(
-        q, k, l, None, None, q.shape[-1] ** -0.5, config, tiles), fullgraph=True)
+    compiled = torch.compile(lambda q, k, l: torch.ops.nsa_flex_test.select_lists(q, k, l, maxnreg), fullgraph=True)
     got = compiled(q, k_cmp, lse)
     want, scores = reference_selection(q, k_cmp, lse, config)
     assert_same_selection(got, want, scores, selection_tolerance(q, k_cmp, lse, config))

@@ -26,16 +26,20 @@ if HAS_TRITON:
 def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
     """kernel[grid](*args, **kwargs), traceable by torch.compile, with kwargs["maxnreg"] honoured.
 
+    The ops call this from their triton_op bodies, which torch.compile traces below Dynamo. Where
+    Dynamo itself traces the launch (a caller compiling these launch functions directly) it
+    cannot read the kernel's name, so the launch stays a wrap_triton one, uncapped.
+
     kernel: a module-level @triton.jit function. args: tensors, None, bools, ints and floats.
     writes: the tensors among args that the kernel stores to (a capped launch declares them to
     torch.library; the other tensors are only read). kwargs: constexprs and launch options, all
     plain values (bool, int, float, str, None).
     """
-    if not kwargs.get("maxnreg"):
+    if not kwargs.get("maxnreg") or torch.compiler.is_dynamo_compiling():
         wrap_triton(kernel)[tuple(grid)](*args, **kwargs)
         return
     name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
-    if not torch.compiler.is_compiling() and _kernel(name) is not kernel:
+    if _kernel(name) is not kernel:
         raise ValueError(f"a capped launch needs a module-level @triton.jit kernel, got {name}")
     written = list(writes)
     reads, ints, floats, spec = [], [], [], []
@@ -58,9 +62,8 @@ def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
     missing = [i for i, x in enumerate(written) if not any(x is a for a in args)]
     if missing:
         raise ValueError(f"writes[{missing[0]}] is not among the kernel's arguments")
-    # repr / literal_eval (not json): Dynamo folds repr of constants when it traces this function.
     torch.ops.nsa_flex.capped_launch(name, list(grid), reads, written, ints, floats,
-                                     repr((tuple(spec), tuple(sorted(kwargs.items())))))
+                                     repr((tuple(spec), tuple(kwargs.items()))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,10 +81,17 @@ _TAGS = tuple(getattr(torch.Tag, t) for t in ("needs_exact_strides",) if hasattr
 def _capped_launch(kernel: str, grid: list[int], reads: list[Tensor], written: list[Tensor], ints: list[int],
                    floats: list[float], spec: str) -> None:
     """Launch `kernel` (module:name) with the arguments launch() encoded in `spec`."""
-    arg_spec, kwargs = ast.literal_eval(spec)
+    arg_spec, kwargs = _decode(spec)
     pools = {"r": reads, "w": written, "i": ints, "f": floats}
     args = [value if kind == "c" else pools[kind][value] for kind, value in arg_spec]
-    _kernel(kernel)[tuple(grid)](*args, **dict(kwargs))
+    _kernel(kernel)[tuple(grid)](*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(spec: str):
+    """launch()'s spec string -> (argument spec, kwargs), parsed once per call site and shape."""
+    arg_spec, kwargs = ast.literal_eval(spec)
+    return arg_spec, dict(kwargs)
 
 
 @_capped_launch.register_fake
