@@ -41,6 +41,9 @@ def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
     name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
     if _kernel(name) is not kernel:
         raise ValueError(f"a capped launch needs a module-level @triton.jit kernel, got {name}")
+    # Constexprs and launch options must be concrete: a symbolic one (an int argument torch.compile
+    # made dynamic) is specialised here, under a guard.
+    kwargs = {k: _concrete(v) for k, v in kwargs.items()}
     written = list(writes)
     reads, ints, floats, spec = [], [], [], []
     for a in args:
@@ -64,6 +67,13 @@ def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
         raise ValueError(f"writes[{missing[0]}] is not among the kernel's arguments")
     torch.ops.nsa_flex.capped_launch(name, list(grid), reads, written, ints, floats,
                                      repr((tuple(spec), tuple(kwargs.items()))))
+
+
+def _concrete(v):
+    for sym, py in ((torch.SymBool, bool), (torch.SymInt, int), (torch.SymFloat, float)):
+        if isinstance(v, sym):
+            return py(v)
+    return v
 
 
 @functools.lru_cache(maxsize=None)
