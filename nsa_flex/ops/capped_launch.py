@@ -65,15 +65,20 @@ def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
     missing = [i for i, x in enumerate(written) if not any(x is a for a in args)]
     if missing:
         raise ValueError(f"writes[{missing[0]}] is not among the kernel's arguments")
-    torch.ops.nsa_flex.capped_launch(name, list(grid), reads, written, ints, floats,
-                                     repr((tuple(spec), tuple(kwargs.items()))))
+    encoded = repr((tuple(spec), tuple(kwargs.items())))
+    _decode(encoded)  # at trace time: a value that does not survive the round trip fails here, not in the graph
+    torch.ops.nsa_flex.capped_launch(name, list(grid), reads, written, ints, floats, encoded)
 
 
 def _concrete(v):
-    for sym, py in ((torch.SymBool, bool), (torch.SymInt, int), (torch.SymFloat, float)):
+    """A constexpr's value as a plain Python literal (symbolic ones specialised)."""
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    for sym, py in ((torch.SymBool, bool), (torch.SymInt, int), (torch.SymFloat, float), (bool, bool), (int, int),
+                    (float, float)):
         if isinstance(v, sym):
             return py(v)
-    return v
+    raise TypeError(f"constexpr or launch option of type {type(v).__name__}; allowed: bool, int, float, str, None")
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +105,10 @@ def _capped_launch(kernel: str, grid: list[int], reads: list[Tensor], written: l
 @functools.lru_cache(maxsize=256)
 def _decode(spec: str):
     """launch()'s spec string -> (argument spec, kwargs), parsed once per call site and shape."""
-    arg_spec, kwargs = ast.literal_eval(spec)
+    try:
+        arg_spec, kwargs = ast.literal_eval(spec)
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"capped launch spec {spec!r} is not a Python literal ({exc})") from None
     return arg_spec, dict(kwargs)
 
 
