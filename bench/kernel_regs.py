@@ -117,8 +117,9 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
 
 
 def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dict]:
-    """The rows of the selected op's backward launches (launch.backward at its default tiles) for
-    group G, head dims Dk / Dv and dtype, on a small CPU problem (the kernels' tiles do not depend on T)."""
+    """The rows of the selected op's forward and backward launches (launch.forward / backward at
+    their default tiles, register caps included) for group G, head dims Dk / Dv and dtype, on a
+    small CPU problem (the kernels' tiles do not depend on T)."""
     from nsa_flex.bench.selected import random_selection
     from nsa_flex.config import NSAConfig
 
@@ -128,12 +129,16 @@ def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dic
     q, do, o = (torch.randn(1, T, G * Hkv, d, dtype=dtype) for d in (Dk, Dv, Dv))
     k, v = torch.randn(1, T, Hkv, Dk, dtype=dtype), torch.randn(1, T, Hkv, Dv, dtype=dtype)
     comp = _Compiler()
-    saved, launch.wrap_triton = launch.wrap_triton, comp
+    # Traced launches (wrap_triton) and launches through capped_launch.launch alike compile here.
+    saved = launch.wrap_triton, launch.launch
+    launch.wrap_triton = comp
+    launch.launch = lambda kernel, grid, *args, writes=(), **kwargs: comp(kernel)[grid](*args, **kwargs)
     try:
-        launch.backward(do, q, k, v, o, torch.zeros(1, G * Hkv, T), random_selection(1, Hkv, T, cfg, "cpu"), None,
-                        Dk ** -0.5, cfg.sel_block)
+        selection = random_selection(1, Hkv, T, cfg, "cpu")
+        launch.forward(q, k, v, selection, None, Dk ** -0.5, cfg.sel_block)
+        launch.backward(do, q, k, v, o, torch.zeros(1, G * Hkv, T), selection, None, Dk ** -0.5, cfg.sel_block)
     finally:
-        launch.wrap_triton = saved
+        launch.wrap_triton, launch.launch = saved
     return comp.rows
 
 
@@ -146,7 +151,7 @@ def main() -> None:
     p.add_argument("--tiles", nargs="*", default=[], help="launch_config overrides, KEY=INT")
     p.add_argument("--trace", action="store_true", help="compile the timeline-stamping variants (TRACE)")
     p.add_argument("--json", type=Path, help="also write the rows here")
-    p.add_argument("--selected", nargs="*", default=[], help="G:Dk:Dv:dtype of the selected op's backward instead")
+    p.add_argument("--selected", nargs="*", default=[], help="G:Dk:Dv:dtype of the selected op's kernels instead")
     args = p.parse_args()
     tiles = {k: int(v) for k, v in (t.split("=") for t in args.tiles)}
     out = []
