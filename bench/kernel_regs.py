@@ -119,7 +119,7 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
 def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dict]:
     """The rows of the selected op's forward and backward launches (launch.forward / backward at
     their default tiles, register caps included) for group G, head dims Dk / Dv and dtype, on a
-    small CPU problem (the kernels' tiles do not depend on T)."""
+    small CPU problem (the kernels' tiles do not depend on T; the forward's cap does, and is set)."""
     from nsa_flex.bench.selected import random_selection
     from nsa_flex.config import NSAConfig
 
@@ -135,7 +135,9 @@ def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dic
     launch.launch = lambda kernel, grid, *args, writes=(), **kwargs: comp(kernel)[grid](*args, **kwargs)
     try:
         selection = random_selection(1, Hkv, T, cfg, "cpu")
-        launch.forward(q, k, v, selection, None, Dk ** -0.5, cfg.sel_block)
+        # The forward as it runs on long sequences (its register cap starts at CAP_FROM_TOKENS).
+        long = launch.launch_config(G, Dk, Dv, dtype, launch.CAP_FROM_TOKENS)
+        launch.forward(q, k, v, selection, None, Dk ** -0.5, cfg.sel_block, tiles={"fwd_maxnreg": long["fwd_maxnreg"]})
         launch.backward(do, q, k, v, o, torch.zeros(1, G * Hkv, T), selection, None, Dk ** -0.5, cfg.sel_block)
     finally:
         launch.wrap_triton, launch.launch = saved

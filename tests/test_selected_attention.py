@@ -210,6 +210,19 @@ def test_unknown_tile_keys_are_refused():
         launch.forward(q, k, v, bi.int(), None, 32 ** -0.5, 16, {"BT": 16})
 
 
+def test_forward_register_cap_from_32k_tokens():
+    """The forward's cap (a launch through nsa_flex::capped_launch) at 16-bit Dk = Dv = 128 only,
+    from CAP_FROM_TOKENS tokens (B * T) on; never on the backward."""
+    caps = {(G, D, dtype, tokens): launch.launch_config(G, D, D, dtype, tokens)
+            for G in (1, 4, 16) for D in (64, 128) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+            for tokens in (0, 16384, 32767, 32768, 1 << 20)}
+    capped = {key for key, cfg in caps.items() if cfg["fwd_maxnreg"]}
+    assert capped == {(G, 128, dtype, tokens) for G in (1, 4, 16) for dtype in (torch.bfloat16, torch.float16)
+                      for tokens in (32768, 1 << 20)}
+    assert {cfg["fwd_maxnreg"] for cfg in caps.values()} == {0, 168} and {cfg["bwd_maxnreg"] for cfg in caps.values()} == {0}
+    assert launch.CAP_FROM_TOKENS == 32768
+
+
 # ----- the torch twin (CPU) -----
 
 TWIN_CASES = [

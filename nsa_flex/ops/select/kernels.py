@@ -79,9 +79,9 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     With the lists at G' = 4 and Dk <= 128 (64 score columns) the kernel takes 155 registers
     (three programs per SM); capped at 128 it does not spill (four): 2.54 against 2.64 ms at
     T=64k, G=4. At G=8 a cap of 128 spills (207 registers uncapped), and at G=16 it was slower
-    (6.27 against 6.00 ms); at G <= 2 the kernel needs fewer than 128. The cap holds for eager
-    launches only: torch.compile (Inductor, torch 2.11) drops maxnreg from user-defined Triton
-    kernels, so the compiled op runs the kernel uncapped (docs/decisions.md, "The selection kernel").
+    (6.27 against 6.00 ms); at G <= 2 the kernel needs fewer than 128. Inductor (torch 2.11) drops
+    maxnreg from the kernels it launches, so a capped launch runs through nsa_flex::capped_launch,
+    opaque to it (docs/decisions.md, "The selection kernel").
     """
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))

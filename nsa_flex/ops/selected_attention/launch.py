@@ -29,8 +29,15 @@ TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_w
 PARTIAL_BYTES = 1 << 30
 
 
-def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tiles and launch settings for group G, head dims Dk / Dv and the input dtype.
+# A launch with a register cap goes through an opaque op (ops/capped_launch.py), which costs
+# host time: on an H100 the g4 op's forward with the forward kernel capped took 1.81 against 1.63
+# ms at 8k tokens, 2.46 against 2.52 at 16k, 5.24 against 5.47 at 32k and 12.28 against 13.01 at
+# 64k (docs/decisions.md). So the forward's cap applies from this many tokens (B * T) on.
+CAP_FROM_TOKENS = 32768
+
+
+def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0) -> dict[str, int]:
+    """Tiles and launch settings for group G, head dims Dk / Dv, the input dtype and B * T tokens.
 
     BT tokens per chunk give M = BT * G' query rows per tl.dot (G' = G rounded up to a power
     of two): M = 64 for 16-bit inputs with padded head dims <= 128, else 32 (fp32, or Dk = 192
@@ -65,10 +72,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     of shared memory: two programs per SM. Capped at 168 registers it fits three (40 bytes of
     spills at G=4, none at G=16): on an H200 the forward kernel took 3.39 against 3.82 ms at
     T=64k, G=4, 1.66 against 1.86 at 32k, 11.40 against 14.06 at 64k, G=16 (torch profiler,
-    docs/records/selected_forward_maxnreg_kernels_h200.json). Eager launches only: torch.compile
-    (Inductor, torch 2.11) drops maxnreg from user-defined Triton kernels, also from a one-config
-    triton.autotune's config, so the compiled op runs the forward uncapped (3.89 ms at 64k, G=4;
-    docs/decisions.md, "The block-centric selected branch").
+    docs/records/selected_forward_maxnreg_kernels_h200.json). Inductor (torch 2.11) drops maxnreg
+    from the kernels it launches, so a capped launch runs through nsa_flex::capped_launch, opaque
+    to it; that op's host time outweighs the saving below CAP_FROM_TOKENS tokens.
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
@@ -80,7 +86,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> dict[str, int
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
             "bwd_chunks": 16 if wide_rows else 32, "fwd_warps": 4, "bwd_warps": 8 if DKP + DVP >= 256 else 4,
             "fwd_stages": 4 if wide_rows else 2, "bwd_stages": 3 if narrow else 2,
-            "fwd_maxnreg": 168 if wide_rows else 0, "bwd_maxnreg": 0, "range_tokens": 0}
+            "fwd_maxnreg": 168 if wide_rows and tokens >= CAP_FROM_TOKENS else 0, "bwd_maxnreg": 0,
+            "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,7 +134,7 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
     if unknown:
         raise ValueError(f"unknown selected_attention tile keys {unknown}; allowed: {', '.join(TILE_KEYS)}")
     G = q.shape[2] // k.shape[2]
-    return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype), **tiles}
+    return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype, q.shape[0] * q.shape[1]), **tiles}
 
 
 def _launch(cfg: dict, pass_: str) -> dict:
