@@ -135,8 +135,8 @@ def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dic
     launch.launch = lambda kernel, grid, *args, writes=(), **kwargs: comp(kernel)[grid](*args, **kwargs)
     try:
         selection = random_selection(1, Hkv, T, cfg, "cpu")
-        # The forward as it runs on long sequences (its register cap starts at CAP_FROM_TOKENS).
-        long = launch.launch_config(G, Dk, Dv, dtype, launch.CAP_FROM_TOKENS)
+        # The forward as it runs on long sequences (its register cap starts at LONG_FROM_TOKENS).
+        long = launch.launch_config(G, Dk, Dv, dtype, launch.LONG_FROM_TOKENS)
         launch.forward(q, k, v, selection, None, Dk ** -0.5, cfg.sel_block, tiles={"fwd_maxnreg": long["fwd_maxnreg"]})
         launch.backward(do, q, k, v, o, torch.zeros(1, G * Hkv, T), selection, None, Dk ** -0.5, cfg.sel_block)
     finally:

@@ -210,9 +210,9 @@ def test_unknown_tile_keys_are_refused():
         launch.forward(q, k, v, bi.int(), None, 32 ** -0.5, 16, {"BT": 16})
 
 
-def test_forward_register_cap_from_32k_tokens():
+def test_long_sequence_settings_from_32k_tokens():
     """The forward's cap (a launch through nsa_flex::capped_launch) at 16-bit Dk = Dv = 128 only,
-    from CAP_FROM_TOKENS tokens (B * T) on; never on the backward."""
+    from LONG_FROM_TOKENS tokens (B * T) on, never on the backward; 32-chunk backward items there."""
     caps = {(G, D, dtype, tokens): launch.launch_config(G, D, D, dtype, tokens)
             for G in (1, 4, 16) for D in (64, 128) for dtype in (torch.bfloat16, torch.float16, torch.float32)
             for tokens in (0, 16384, 32767, 32768, 1 << 20)}
@@ -220,7 +220,10 @@ def test_forward_register_cap_from_32k_tokens():
     assert capped == {(G, 128, dtype, tokens) for G in (1, 4, 16) for dtype in (torch.bfloat16, torch.float16)
                       for tokens in (32768, 1 << 20)}
     assert {cfg["fwd_maxnreg"] for cfg in caps.values()} == {0, 168} and {cfg["bwd_maxnreg"] for cfg in caps.values()} == {0}
-    assert launch.CAP_FROM_TOKENS == 32768
+    assert launch.LONG_FROM_TOKENS == 32768
+    assert {key for key, cfg in caps.items() if cfg["bwd_chunks"] == 16} == {
+        (G, 128, dtype, tokens) for G in (1, 4, 16) for dtype in (torch.bfloat16, torch.float16)
+        for tokens in (0, 16384, 32767)}
 
 
 # ----- the torch twin (CPU) -----

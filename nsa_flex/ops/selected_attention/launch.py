@@ -29,11 +29,13 @@ TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_w
 PARTIAL_BYTES = 1 << 30
 
 
-# A launch with a register cap goes through an opaque op (ops/capped_launch.py), which costs
-# host time: on an H100 the g4 op's forward with the forward kernel capped took 1.81 against 1.63
-# ms at 8k tokens, 2.46 against 2.52 at 16k, 5.24 against 5.47 at 32k and 12.28 against 13.01 at
-# 64k (docs/decisions.md). So the forward's cap applies from this many tokens (B * T) on.
-CAP_FROM_TOKENS = 32768
+# From this many tokens (B * T) on, the long-sequence settings (H100, the g4 op, docs/decisions.md):
+# - the forward's register cap. A capped launch goes through an opaque op (ops/capped_launch.py),
+#   which costs host time: with the cap the op's forward took 1.81 against 1.63 ms at 8k tokens,
+#   2.46 against 2.52 at 16k, 5.24 against 5.47 at 32k and 12.28 against 13.01 at 64k;
+# - backward items of 32 chunks (1024 tokens at 128 rows): fwd+bwd 32.19 against 32.40 ms at 64k,
+#   13.77 against 13.82 at 32k, 64 MiB less peak (fewer fp32 dK/dV partials).
+LONG_FROM_TOKENS = 32768
 
 
 def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0) -> dict[str, int]:
@@ -64,9 +66,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     Both kernels are latency-bound (profiled at T=16k, G=4, D=128: one or two programs per SM,
     0.8-1.2 TB/s), so deeper pipelines and bigger chunks pay where they fit. At 16-bit with
     Dk = Dv = 128 the backward takes M = 128 rows per chunk (16 chunks per item, the same 512-token
-    span) and the forward 4 stages: at T=16k / 64k, G=4 on an H200 the backward took 2.37 / 10.26 ms
-    against 2.97 / 12.63 with M = 64, the forward 1.43 / 6.00 against 1.51 / 6.69 with 2 stages
-    (docs/decisions.md).
+    span; 32 from LONG_FROM_TOKENS tokens on) and the forward 4 stages: at T=16k / 64k, G=4 on an
+    H200 the backward took 2.37 / 10.26 ms against 2.97 / 12.63 with M = 64, the forward 1.43 /
+    6.00 against 1.51 / 6.69 with 2 stages (docs/decisions.md).
 
     At 16-bit with Dk = Dv = 128 the forward takes 210 registers at G=4 (195 at G=16) and 74 KB
     of shared memory: two programs per SM. Capped at 168 registers it fits three (40 bytes of
@@ -74,7 +76,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     T=64k, G=4, 1.66 against 1.86 at 32k, 11.40 against 14.06 at 64k, G=16 (torch profiler,
     docs/records/selected_forward_maxnreg_kernels_h200.json). Inductor (torch 2.11) drops maxnreg
     from the kernels it launches, so a capped launch runs through nsa_flex::capped_launch, opaque
-    to it; that op's host time outweighs the saving below CAP_FROM_TOKENS tokens.
+    to it; that op's host time outweighs the saving below LONG_FROM_TOKENS tokens.
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     """
@@ -83,10 +85,11 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     narrow = dtype != torch.float32 and max(DKP, DVP) <= 128
     BT = max(1, (64 if narrow else 32) // GP)
     wide_rows = narrow and DKP + DVP == 256  # 16-bit, Dk = Dv = 128: measured (launch sweep)
+    long = tokens >= LONG_FROM_TOKENS
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
-            "bwd_chunks": 16 if wide_rows else 32, "fwd_warps": 4, "bwd_warps": 8 if DKP + DVP >= 256 else 4,
-            "fwd_stages": 4 if wide_rows else 2, "bwd_stages": 3 if narrow else 2,
-            "fwd_maxnreg": 168 if wide_rows and tokens >= CAP_FROM_TOKENS else 0, "bwd_maxnreg": 0,
+            "bwd_chunks": 16 if wide_rows and not long else 32, "fwd_warps": 4,
+            "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
+            "bwd_stages": 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0, "bwd_maxnreg": 0,
             "range_tokens": 0}
 
 
@@ -111,7 +114,7 @@ def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, ti
 def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int,
                     dtype: torch.dtype) -> int:
     """The op's own buffers while its forward or backward runs (the larger), for memory estimates."""
-    cfg = launch_config(Hq // Hkv, Dk, Dv, dtype)
+    cfg = launch_config(Hq // Hkv, Dk, Dv, dtype, B * T)
     R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype))
     part = partial_dtype(dtype).itemsize
     # Index of one range: entries and block ids (int32), the sort's keys (16-bit, sorted, an int32
