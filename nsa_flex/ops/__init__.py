@@ -5,6 +5,8 @@
 - `decode/`: one decode step: the cache update (cache_step, with phi_step for completed blocks)
   and the fused attention of one token (decode_attend), both in one op (step_attend).
 - `triton_utils`: Triton helpers shared by several ops.
+- `capped_launch`: launches with a register cap, through an op opaque to Inductor (which would
+  drop the cap).
 """
 
 from nsa_flex.ops.decode.attend import decode_attend, decode_attend_torch
