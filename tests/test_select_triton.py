@@ -175,7 +175,8 @@ def test_launch_config_defaults():
     # register cap of 128 at G' = 4 and Dk <= 128 only.
     assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
-    caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"] for G in (2, 3, 4, 8) for Dk in (64, 128, 192)}
+    caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"]
+            for G in (2, 3, 4, 8) for Dk in (64, 128, 192)}
     assert {key for key, cap in caps.items() if cap} == {(3, 64), (3, 128), (4, 64), (4, 128)}
     assert all(cap in (0, 128) for cap in caps.values())
 

@@ -72,11 +72,10 @@ def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
 
 def _concrete(v):
     """A constexpr's value as a plain Python literal (symbolic ones specialised)."""
-    if v is None or type(v) in (bool, int, float, str):
+    if v is None or isinstance(v, str):
         return v
-    for sym, py in ((torch.SymBool, bool), (torch.SymInt, int), (torch.SymFloat, float), (bool, bool), (int, int),
-                    (float, float)):
-        if isinstance(v, sym):
+    for types, py in (((bool, torch.SymBool), bool), ((int, torch.SymInt), int), ((float, torch.SymFloat), float)):
+        if isinstance(v, types):
             return py(v)
     raise TypeError(f"constexpr or launch option of type {type(v).__name__}; allowed: bool, int, float, str, None")
 

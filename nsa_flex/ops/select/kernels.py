@@ -135,7 +135,8 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
 
     def launch(lists: int, rerun: bool) -> None:
         launch_kernel(
-            _select_kernel, (n_programs, B * Hkv), q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
+            _select_kernel, (n_programs, B * Hkv),
+            q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
             *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
             G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
             R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
