@@ -121,6 +121,13 @@ def test_errors():
     with pytest.raises(TypeError, match="launch argument of type str; allowed: tensors, None, bool, int, float"):
         launch(_affine_kernel, (1,), x, y, flag, "8", 1.0, 0.0, writes=(y, flag), SHIFT=False, BLOCK=32, maxnreg=96)
 
+    with pytest.raises(TypeError, match="constexpr or launch option of type object; allowed: bool, int, float, str"):
+        launch(_affine_kernel, (1,), x, y, flag, 8, 1.0, 0.0, writes=(y, flag), SHIFT=object(), BLOCK=32, maxnreg=96)
+    # A constexpr that does not survive repr / literal_eval fails when the call is traced, not later.
+    with pytest.raises(ValueError, match="capped launch spec .* is not a Python literal"):
+        launch(_affine_kernel, (1,), x, y, flag, 8, 1.0, 0.0, writes=(y, flag), SHIFT=False, BLOCK=32, maxnreg=96,
+               EPS=float("inf"))
+
     @triton.jit
     def local_kernel(x_ptr):
         pass
