@@ -319,6 +319,8 @@ KERNEL_CASES = [
         (1, 111, 4, 64, 64, 4, 64, torch.float16, None),
         # Register caps: the launches go through nsa_flex::capped_launch (the interpreter ignores the cap).
         (1, 111, 4, 64, 64, 4, 64, torch.float16, dict(fwd_maxnreg=168, bwd_maxnreg=255)),
+        # The long-sequence settings at 16-bit D=128 (launch_config from LONG_FROM_TOKENS on).
+        (1, 200, 4, 128, 128, 4, 64, torch.float16, dict(fwd_maxnreg=168, bwd_chunks=32)),
         (1, 40, 2, 192, 128, 3, 16, torch.float32, None),
         (1, 40, 2, 192, 128, 3, 16, torch.bfloat16, None),
     ]
@@ -459,6 +461,22 @@ def test_kernels_gpu(T, G, Dk, Dv, dtype):
     q, k, v, do = make_inputs(1, T, cfg, dtype, seed=T + G, device="cuda")
     bi = random_selection(1, cfg.n_kv_heads, T, 16, 64, seed=T, drop=0.0).cuda()
     check(run_op(q, k, v, do, bi, cfg, "auto"), q, k, v, do, bi, cfg)
+
+
+@gpu
+@pytest.mark.parametrize("G, cu", [(4, None), (16, None), (4, [0, 100, 101, 121, 2696, 2760, 3000])])
+def test_kernels_gpu_long_sequence_settings(G, cu, poisoned):
+    """The settings launch_config gives from LONG_FROM_TOKENS tokens on (the forward's register cap
+    through nsa_flex::capped_launch, 32-chunk backward items), on a short input."""
+    cfg = make_config(G, 128, 128, 16, 64)
+    long = launch.launch_config(G, 128, 128, torch.bfloat16, launch.LONG_FROM_TOKENS)
+    tiles = {key: long[key] for key in ("fwd_maxnreg", "bwd_chunks")}
+    assert tiles == {"fwd_maxnreg": 168, "bwd_chunks": 32}
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    q, k, v, do = make_inputs(1, 3000, cfg, torch.bfloat16, seed=G, device="cuda")
+    bi = random_selection(1, cfg.n_kv_heads, 3000, 16, 64, seed=G, cu_seqlens=cu)
+    got = run_kernels(q, k, v, do, bi.int().cuda(), cfg, None if cu is None else cu.cuda(), tiles)
+    check(got, q, k, v, do, bi, cfg, cu)
 
 
 @gpu
