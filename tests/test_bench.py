@@ -309,3 +309,16 @@ def test_cli_never_overwrites_an_earlier_result_silently(monkeypatch, tmp_path):
     assert renamed.exit_code == 0, renamed.output
     assert f"this run writes {stem}_2.*" in renamed.output
     assert (tmp_path / f"{stem}.md").read_text() == "earlier" and (tmp_path / f"{stem}_2.json").is_file()
+
+
+def test_op_ab_variants_parse_and_refuse_unknown_keys():
+    """bench.op_ab_gpu's variants: MODULE.KEY:INT items over each module's launch_config keys."""
+    from bench.op_ab_gpu import parse_variant
+
+    assert parse_variant("code=-") == ("code", {"selected": {}, "select": {}})
+    assert parse_variant("x=selected.fwd_maxnreg:0,select.maxnreg:0,selected.bwd_chunks:32") == (
+        "x", {"selected": {"fwd_maxnreg": 0, "bwd_chunks": 32}, "select": {"maxnreg": 0}})
+    with pytest.raises(ValueError, match=r"selected has no key 'fwd_maxreg'; allowed: fwd_BT, bwd_BT"):
+        parse_variant("x=selected.fwd_maxreg:1")
+    with pytest.raises(ValueError, match=r"expected MODULE.KEY:INT with MODULE one of selected, select"):
+        parse_variant("x=window.BLOCK:64")

@@ -1,0 +1,144 @@
+"""A/B of the compiled op under launch-setting variants, in one process, on a GPU.
+
+    python -m bench.op_ab_gpu --out $OUT/op_ab.json --preset g4 -T 32768 65536 --modes fwd fwd+bwd \\
+        --variants code=- no_caps=selected.fwd_maxnreg:0,select.maxnreg:0 chunks16=selected.bwd_chunks:16
+
+Each variant (NAME=MODULE.KEY:INT,...; "-" for none) overrides launch_config's keys of the
+selected op (selected.KEY) and of the selection kernel (select.KEY) while its own
+torch.compile(fullgraph=True, dynamic=False) of nsa_attention traces. Inductor's graph caches are
+off: they key on the Dynamo graph, which does not see these settings, and would hand every
+variant the first one's code. Then the variants run in turn, --reps rounds of: each call timed
+alone, synced (as nsa-flex bench times it), then --calls calls back to back. Per variant: the
+medians, peak MiB, the op's Triton kernels from the profiler, and the largest difference of the
+output (and of dq, dk, dv) from the first variant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+from pathlib import Path
+
+import torch
+
+from bench.common import header, row_recorder
+from bench.selected_kernels_gpu import kernel_ms
+from nsa_flex.attention import nsa_attention
+from nsa_flex.bench.attention import attention_config
+from nsa_flex.bench.impls import Problem, nsa_inputs
+
+MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels"}
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, dict[str, int]]]:
+    """"NAME=selected.KEY:INT,select.KEY:INT" -> (NAME, {"selected": {KEY: INT}, "select": {...}})."""
+    name, _, keys = spec.partition("=")
+    over: dict[str, dict[str, int]] = {m: {} for m in MODULES}
+    for item in ([] if keys in ("", "-") else keys.split(",")):
+        key, _, value = item.partition(":")
+        module, _, field = key.partition(".")
+        if module not in MODULES or not field or not value:
+            raise ValueError(f"variant item {item!r}: expected MODULE.KEY:INT with MODULE one of {', '.join(MODULES)}")
+        keys = importlib.import_module(MODULES[module]).TILE_KEYS
+        if field not in keys:
+            raise ValueError(f"variant item {item!r}: {module} has no key {field!r}; allowed: {', '.join(keys)}")
+        over[module][field] = int(value)
+    return name, over
+
+
+def compiled_step(over: dict[str, dict[str, int]], x: dict, do, cfg, grad: bool):
+    """A call of the op compiled with `over` in launch_config (its own code object: its own Dynamo cache)."""
+    namespace = {"nsa_attention": nsa_attention}
+    exec("def op(x, cfg):\n    return nsa_attention(**x, config=cfg, impl='flex', compiled=False)\n", namespace)
+    op = torch.compile(namespace["op"], fullgraph=True, dynamic=False)
+    modules = {m: importlib.import_module(path) for m, path in MODULES.items()}
+    originals = {m: mod.launch_config for m, mod in modules.items()}
+
+    def step():
+        out = op(x, cfg)
+        if grad:
+            out.backward(do)
+        return out
+
+    for m, mod in modules.items():
+        mod.launch_config = lambda *a, _f=originals[m], _o=over[m], **k: {**_f(*a, **k), **_o}
+    try:
+        out = step()  # traces and compiles with the overrides
+    finally:
+        for m, mod in modules.items():
+            mod.launch_config = originals[m]
+    result = [out.detach().float()] + ([x[n].grad.float() for n in ("q", "k", "v")] if grad else [])
+    for t in x.values():
+        t.grad = None
+    return step, result
+
+
+def time_variants(steps: dict, x: dict, reps: int, calls: int) -> dict[str, dict]:
+    """Synced and back-to-back medians and peak MiB of each step, the variants in turn `reps` times."""
+    synced = {n: [] for n in steps}
+    b2b = {n: [] for n in steps}
+    peak = {}
+    for _ in range(reps):
+        for name, step in steps.items():
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(calls):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                synced[name].append(start.elapsed_time(end))
+            peak[name] = torch.cuda.max_memory_allocated() / 2**20
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                step()
+            end.record()
+            end.synchronize()
+            b2b[name].append(start.elapsed_time(end) / calls)
+            for t in x.values():
+                t.grad = None
+    return {n: {"synced_median_ms": statistics.median(synced[n]), "synced_min_ms": min(synced[n]),
+                "back_to_back_ms": statistics.median(b2b[n]), "peak_mib": peak[n]} for n in steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--preset", default="g4", help="an nsa-flex bench attention preset (g4, bench, ...)")
+    p.add_argument("-T", "--seq-lens", type=int, nargs="+", default=[32768, 65536])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--variants", nargs="+", default=["code=-", "no_caps=selected.fwd_maxnreg:0,select.maxnreg:0"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    variants = dict(parse_variant(v) for v in args.variants)
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    bench_cfg = attention_config(device="cuda", preset=args.preset, impls=("nsa-flex",), dtype="bf16")
+    cfg = bench_cfg.nsa
+    _, add = row_recorder(args.out, {**header(args.commit), "preset": args.preset, "variants": variants})
+    for mode in args.modes:
+        for T in args.seq_lens:
+            grad = mode == "fwd+bwd"
+            x = nsa_inputs(Problem(bench_cfg, T), grad=grad)
+            do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
+            steps, results = {}, {}
+            for name, over in variants.items():
+                steps[name], results[name] = compiled_step(over, x, do, cfg, grad)
+            first = next(iter(results.values()))
+            timed = time_variants(steps, x, args.reps, args.calls)
+            for name, step in steps.items():
+                diff = max((a - b).abs().max().item() for a, b in zip(results[name], first))
+                add({"T": T, "mode": mode, "variant": name, **timed[name], "max_abs_diff_vs_first": diff,
+                     "kernel_ms": kernel_ms(step)})
+            del x, do, steps, results
+
+
+if __name__ == "__main__":
+    main()
