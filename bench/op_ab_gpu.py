@@ -8,9 +8,9 @@ selected op (selected.KEY) and of the selection kernel (select.KEY) while its ow
 torch.compile(fullgraph=True, dynamic=False) of nsa_attention traces. Inductor's graph caches are
 off: they key on the Dynamo graph, which does not see these settings, and would hand every
 variant the first one's code. Then the variants run in turn, --reps rounds of: each call timed
-alone, synced (as nsa-flex bench times it), then --calls calls back to back. Per variant: the
-medians, peak MiB, the op's Triton kernels from the profiler, and the largest difference of the
-output (and of dq, dk, dv) from the first variant's.
+alone, synced (nsa_flex.bench.core.time_calls, as nsa-flex bench times it), then --calls calls
+back to back. Per variant: the medians, peak MiB, the op's Triton kernels from the profiler, and
+the largest difference of the output (and of dq, dk, dv) from the first variant's.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from bench.common import header, row_recorder
 from bench.selected_kernels_gpu import kernel_ms
 from nsa_flex.attention import nsa_attention
 from nsa_flex.bench.attention import attention_config
+from nsa_flex.bench.core import time_calls
 from nsa_flex.bench.impls import Problem, nsa_inputs
 
 MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels"}
@@ -81,18 +82,9 @@ def time_variants(steps: dict, x: dict, reps: int, calls: int) -> dict[str, dict
     peak = {}
     for _ in range(reps):
         for name, step in steps.items():
-            for _ in range(2):
-                step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            for _ in range(calls):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                synced[name].append(start.elapsed_time(end))
-            peak[name] = torch.cuda.max_memory_allocated() / 2**20
+            timing = time_calls(step, device="cuda", warmup=1, iters=calls)
+            synced[name] += timing.times_ms
+            peak[name] = timing.peak_mem_mib
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(calls):
