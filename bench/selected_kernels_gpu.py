@@ -6,7 +6,8 @@
 For each shape B:T:Hq:Hkv:D (bf16, NSA-shaped random selections from nsa_flex.bench.selected) and
 each variant (NAME=KEY:INT,KEY:INT over launch_config's tiles; "-" for none), run twice in turn:
 the CUDA time per call of each kernel of launch.forward and of launch.backward (three calls each
-under the profiler), and the forward's median from triton.testing.do_bench. Kernel sums are
+under the profiler), the forward's median from triton.testing.do_bench, and the largest
+difference of o, dq, dk and dv from the first variant's. Kernel sums are
 steadier between calls than wall times (bench.selected_tiles_gpu times the whole calls).
 """
 
@@ -49,15 +50,21 @@ def main() -> None:
         B, T, Hq, Hkv, D = parse_shape(shape)
         cfg, q, k, v, do, bi = selected_op_inputs(shape)
         scale = D ** -0.5
+        first = None  # the first variant's outputs, which every variant's are compared with
         for rep in range(2):
             for name, tiles in variants:
                 o, lse = launch.forward(q, k, v, bi, None, scale, cfg.sel_block, tiles)
+                grads = launch.backward(do, q, k, v, o, lse, bi, None, scale, cfg.sel_block, tiles)
+                outs = (o, *grads)
+                first = first or outs
+                diff = {key: (a.float() - b.float()).abs().max().item()
+                        for key, a, b in zip(("o", "dq", "dk", "dv"), outs, first)}
                 fwd = lambda: launch.forward(q, k, v, bi, None, scale, cfg.sel_block, tiles)  # noqa: E731
                 bwd = lambda: launch.backward(do, q, k, v, o, lse, bi, None, scale, cfg.sel_block, tiles)  # noqa: E731
-                fwd()
-                bwd()
-                add({"shape": shape, "variant": name, "tiles": {**launch.launch_config(Hq // Hkv, D, D, q.dtype), **tiles},
-                     "round": rep, "forward_kernels_ms": kernel_ms(fwd), "backward_kernels_ms": kernel_ms(bwd),
+                add({"shape": shape, "variant": name,
+                     "tiles": {**launch.launch_config(Hq // Hkv, D, D, q.dtype, B * T), **tiles}, "round": rep,
+                     "max_diff_from_first": diff, "forward_kernels_ms": kernel_ms(fwd),
+                     "backward_kernels_ms": kernel_ms(bwd),
                      "forward_do_bench_ms": triton.testing.do_bench(fwd, warmup=5, rep=100)})
 
 
