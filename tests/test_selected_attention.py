@@ -323,12 +323,6 @@ KERNEL_CASES = [
         (1, 200, 4, 128, 128, 4, 64, torch.float16, dict(fwd_maxnreg=168, bwd_chunks=32)),
         (1, 40, 2, 192, 128, 3, 16, torch.float32, None),
         (1, 40, 2, 192, 128, 3, 16, torch.bfloat16, None),
-        # The next chunk's rows loaded into registers ahead of the dots: items of one, two and many
-        # chunks, the last chunk partly filled, G=3's padded rows.
-        (1, 111, 4, 64, 64, 4, 64, torch.float16, dict(fwd_prefetch=1, bwd_prefetch=1)),
-        (2, 90, 3, 32, 24, 5, 16, torch.float32, dict(fwd_prefetch=1, bwd_prefetch=1, fwd_chunks=1, bwd_chunks=2)),
-        (1, 200, 4, 128, 128, 4, 64, torch.bfloat16, dict(fwd_prefetch=1, bwd_prefetch=1, bwd_BT=16, bwd_chunks=64,
-                                                           bwd_stages=1, fwd_stages=1)),
     ]
 ]
 

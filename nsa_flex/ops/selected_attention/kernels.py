@@ -67,45 +67,15 @@ if HAS_TRITON:
         return key, key_ok, k_ld, v_ld
 
     @triton.jit
-    def _chunk_entries(entries_ptr, c0, end, GP: tl.constexpr, BT: tl.constexpr):
-        """(entry, entry ok) [BT * G'] of the chunk at entry c0: row r holds entry c0 + r // G'."""
+    def _chunk_rows(entries_ptr, c0, end, h, N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                    BT: tl.constexpr):
+        """Rows (token, head) of the chunk at entry c0: token t, slot, query head, row ok. Row r is
+        entry c0 + r // G', head h * G + r % G'."""
         r = tl.arange(0, BT * GP)
         e_ok = c0 + r // GP < end
-        return tl.load(entries_ptr + c0 + r // GP, mask=e_ok, other=0), e_ok
-
-    @triton.jit
-    def _entry_rows(e, e_ok, h, N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr):
-        """Rows (token, head) of a chunk's entries: token t, slot, query head h * G + r % G', row ok."""
-        g = tl.arange(0, BT * GP) % GP
+        e = tl.load(entries_ptr + c0 + r // GP, mask=e_ok, other=0)
+        g = r % GP
         return (e // N).to(tl.int64), e % N, h * G + g, e_ok & (g < G)
-
-    @triton.jit
-    def _rows_tile(ptr, b, T0, t, hq, row_ok, s_b, s_t, s_h, D: tl.constexpr, DP: tl.constexpr):
-        """[M, DP] rows (b, T0 + t, hq) of a [B, T, H, D] tensor (zero for rows not ok and past D)."""
-        d = tl.arange(0, DP)
-        return tl.load(ptr + b * s_b + (T0 + t[:, None]) * s_t + hq[:, None] * s_h + d[None, :],
-                       mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-
-    @triton.jit
-    def _fwd_chunk(q_md, t, slot, hq, row_ok, k_dl, v_ld, key, key_ok, po_ptr, plse_ptr, b, T0, scale2,
-                   so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, DV: tl.constexpr, DVP: tl.constexpr,
-                   F32_DOT: tl.constexpr, IEEE: tl.constexpr):
-        """One chunk of the forward: the block-local softmax of its rows, stored as partial o and lse."""
-        dv = tl.arange(0, DVP)
-        s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
-        vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.math.exp2(s - m[:, None])
-        l = tl.sum(p, axis=1)
-        acc = dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        row = b * so_b + t * so_t + hq * so_h + slot * so_n
-        tl.store(po_ptr + row[:, None] + dv[None, :], o.to(po_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dv[None, :] < DV))
-        tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
 
     @triton.jit
     def _fwd_kernel(
@@ -115,13 +85,9 @@ if HAS_TRITON:
         so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """Partial o [B,T',Hq,n,Dv] and partial lse (base 2) [B,T',Hq,n] of one work item's tokens.
-
-        PREFETCH: the next chunk's query rows are loaded into registers before this chunk's dots
-        (and its entries one chunk earlier still), so their latency hides behind the dots; Triton's
-        own pipelining of these gathered loads issues them after the dots and waits at once."""
+        """Partial o [B,T',Hq,n,Dv] and partial lse (base 2) [B,T',Hq,n] of one work item's tokens."""
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
                                                  blk_end_ptr, Hkv, Nv)
@@ -129,55 +95,28 @@ if HAS_TRITON:
             key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, ks, ke, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                                                 BL, DK, DKP, DV, DVP)
             k_dl = tl.trans(k_ld)
+            dk = tl.arange(0, DKP)
+            dv = tl.arange(0, DVP)
             # Inductor may pass the float as fp64; keep the tiles fp32.
             scale2 = tl.cast(scale * LOG2E, tl.float32)
-            if PREFETCH:
-                e, e_ok = _chunk_entries(entries_ptr, start, end, GP, BT)
-                t, slot, hq, row_ok = _entry_rows(e, e_ok, h, N, G, GP, BT)
-                q_md = _rows_tile(q_ptr, b, T0, t, hq, row_ok, sq_b, sq_t, sq_h, DK, DKP)
-                e, e_ok = _chunk_entries(entries_ptr, start + BT, end, GP, BT)
-                for c0 in range(start, end, BT):
-                    t_n, slot_n, hq_n, row_ok_n = _entry_rows(e, e_ok, h, N, G, GP, BT)
-                    q_n = _rows_tile(q_ptr, b, T0, t_n, hq_n, row_ok_n, sq_b, sq_t, sq_h, DK, DKP)
-                    e, e_ok = _chunk_entries(entries_ptr, c0 + 2 * BT, end, GP, BT)
-                    _fwd_chunk(q_md, t, slot, hq, row_ok, k_dl, v_ld, key, key_ok, po_ptr, plse_ptr, b, T0, scale2,
-                               so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, DV, DVP, F32_DOT, IEEE)
-                    q_md, t, slot, hq, row_ok = q_n, t_n, slot_n, hq_n, row_ok_n
-            else:
-                for c0 in range(start, end, BT):
-                    e, e_ok = _chunk_entries(entries_ptr, c0, end, GP, BT)
-                    t, slot, hq, row_ok = _entry_rows(e, e_ok, h, N, G, GP, BT)
-                    q_md = _rows_tile(q_ptr, b, T0, t, hq, row_ok, sq_b, sq_t, sq_h, DK, DKP)
-                    _fwd_chunk(q_md, t, slot, hq, row_ok, k_dl, v_ld, key, key_ok, po_ptr, plse_ptr, b, T0, scale2,
-                               so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h, DV, DVP, F32_DOT, IEEE)
-
-    @triton.jit
-    def _bwd_stats(lse_ptr, delta_ptr, b, T0, t, hq, row_ok, sl_b, sl_h, sl_t):
-        """(lse in base 2, delta) [M] of the rows."""
-        LOG2E: tl.constexpr = 1.4426950408889634
-        stat = b * sl_b + hq * sl_h + (T0 + t) * sl_t
-        return tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E, tl.load(delta_ptr + stat, mask=row_ok,
-                                                                                other=0.0)
-
-    @triton.jit
-    def _bwd_chunk(q_md, do_md, lse2, delta, t, slot, hq, row_ok, k_ld, k_dl, v_dl, key, key_ok, dk_acc, dv_acc,
-                   dqp_ptr, b, T0, sc, scale2, sdq_b, sdq_t, sdq_h, sdq_n, DK: tl.constexpr, DKP: tl.constexpr,
-                   F32_DOT: tl.constexpr, IEEE: tl.constexpr):
-        """One chunk of the backward: dV and dK accumulated, the rows' dQ partials stored."""
-        dk = tl.arange(0, DKP)
-        s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
-        vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
-        # A row with no visible key anywhere has lse -inf and no visible key here either.
-        p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
-        dp = dot(do_md, v_dl, F32_DOT, IEEE)
-        ds = (p * (dp - delta[:, None])).to(q_md.dtype)
-        dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
-        dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
-        row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
-        tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (dk[None, :] < DK))
-        return dk_acc, dv_acc
+            for c0 in range(start, end, BT):
+                t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
+                q_md = tl.load(q_ptr + b * sq_b + (T0 + t[:, None]) * sq_t + hq[:, None] * sq_h + dk[None, :],
+                               mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
+                s = tl.where(vis, s, float("-inf"))
+                m = tl.max(s, axis=1)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                p = tl.math.exp2(s - m[:, None])
+                l = tl.sum(p, axis=1)
+                acc = dot(p.to(v_ld.dtype), v_ld, F32_DOT, IEEE)
+                o = acc / tl.where(l > 0, l, 1.0)[:, None]
+                lse = tl.where(l > 0, m + tl.math.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+                row = b * so_b + t * so_t + hq * so_h + slot * so_n
+                tl.store(po_ptr + row[:, None] + dv[None, :], o.to(po_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & (dv[None, :] < DV))
+                tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
 
     @triton.jit
     def _bwd_kernel(
@@ -187,13 +126,11 @@ if HAS_TRITON:
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
         """dQ partials [B,T',Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
-        PREFETCH: as in the forward, the next chunk's q, dO, lse and delta rows load before this
-        chunk's dots.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
@@ -211,34 +148,27 @@ if HAS_TRITON:
             scale2 = sc * LOG2E
             dk_acc = tl.zeros([BL, DKP], tl.float32)
             dv_acc = tl.zeros([BL, DVP], tl.float32)
-            if PREFETCH:
-                e, e_ok = _chunk_entries(entries_ptr, start, end, GP, BT)
-                t, slot, hq, row_ok = _entry_rows(e, e_ok, h, N, G, GP, BT)
-                q_md = _rows_tile(q_ptr, b, T0, t, hq, row_ok, sq_b, sq_t, sq_h, DK, DKP)
-                do_md = _rows_tile(do_ptr, b, T0, t, hq, row_ok, sdo_b, sdo_t, sdo_h, DV, DVP)
-                lse2, delta = _bwd_stats(lse_ptr, delta_ptr, b, T0, t, hq, row_ok, sl_b, sl_h, sl_t)
-                e, e_ok = _chunk_entries(entries_ptr, start + BT, end, GP, BT)
-                for c0 in range(start, end, BT):
-                    t_n, slot_n, hq_n, row_ok_n = _entry_rows(e, e_ok, h, N, G, GP, BT)
-                    q_n = _rows_tile(q_ptr, b, T0, t_n, hq_n, row_ok_n, sq_b, sq_t, sq_h, DK, DKP)
-                    do_n = _rows_tile(do_ptr, b, T0, t_n, hq_n, row_ok_n, sdo_b, sdo_t, sdo_h, DV, DVP)
-                    lse2_n, delta_n = _bwd_stats(lse_ptr, delta_ptr, b, T0, t_n, hq_n, row_ok_n, sl_b, sl_h, sl_t)
-                    e, e_ok = _chunk_entries(entries_ptr, c0 + 2 * BT, end, GP, BT)
-                    dk_acc, dv_acc = _bwd_chunk(q_md, do_md, lse2, delta, t, slot, hq, row_ok, k_ld, k_dl, v_dl, key,
-                                                key_ok, dk_acc, dv_acc, dqp_ptr, b, T0, sc, scale2, sdq_b, sdq_t,
-                                                sdq_h, sdq_n, DK, DKP, F32_DOT, IEEE)
-                    q_md, do_md, lse2, delta = q_n, do_n, lse2_n, delta_n
-                    t, slot, hq, row_ok = t_n, slot_n, hq_n, row_ok_n
-            else:
-                for c0 in range(start, end, BT):
-                    e, e_ok = _chunk_entries(entries_ptr, c0, end, GP, BT)
-                    t, slot, hq, row_ok = _entry_rows(e, e_ok, h, N, G, GP, BT)
-                    q_md = _rows_tile(q_ptr, b, T0, t, hq, row_ok, sq_b, sq_t, sq_h, DK, DKP)
-                    do_md = _rows_tile(do_ptr, b, T0, t, hq, row_ok, sdo_b, sdo_t, sdo_h, DV, DVP)
-                    lse2, delta = _bwd_stats(lse_ptr, delta_ptr, b, T0, t, hq, row_ok, sl_b, sl_h, sl_t)
-                    dk_acc, dv_acc = _bwd_chunk(q_md, do_md, lse2, delta, t, slot, hq, row_ok, k_ld, k_dl, v_dl, key,
-                                                key_ok, dk_acc, dv_acc, dqp_ptr, b, T0, sc, scale2, sdq_b, sdq_t,
-                                                sdq_h, sdq_n, DK, DKP, F32_DOT, IEEE)
+            for c0 in range(start, end, BT):
+                t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
+                q_md = tl.load(q_ptr + b * sq_b + (T0 + t[:, None]) * sq_t + hq[:, None] * sq_h + dk[None, :],
+                               mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                do_md = tl.load(do_ptr + b * sdo_b + (T0 + t[:, None]) * sdo_t + hq[:, None] * sdo_h + dv[None, :],
+                                mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                stat = b * sl_b + hq * sl_h + (T0 + t) * sl_t
+                lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
+                delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+                s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
+                # A row with no visible key anywhere has lse -inf and no visible key here either.
+                p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
+                dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
+                dp = dot(do_md, v_dl, F32_DOT, IEEE)
+                ds = (p * (dp - delta[:, None])).to(q_md.dtype)
+                dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
+                dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
+                row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
+                tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & (dk[None, :] < DK))
             r = tl.arange(0, BL)
             tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
             tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)

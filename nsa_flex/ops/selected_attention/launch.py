@@ -20,7 +20,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "fwd_prefetch", "bwd_prefetch", "range_tokens")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -90,7 +90,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "bwd_chunks": 16 if wide_rows and not long else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
             "bwd_stages": 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0, "bwd_maxnreg": 0,
-            "fwd_prefetch": 0, "bwd_prefetch": 0, "range_tokens": 0}
+            "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -141,10 +141,8 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
 
 
 def _launch(cfg: dict, pass_: str) -> dict:
-    """Triton launch options and the PREFETCH constexpr of the forward ("fwd") or backward ("bwd")
-    kernel; maxnreg 0: no cap."""
-    out = {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"],
-           "PREFETCH": bool(cfg[f"{pass_}_prefetch"])}
+    """Triton launch options of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
+    out = {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"]}
     if cfg[f"{pass_}_maxnreg"]:
         out["maxnreg"] = cfg[f"{pass_}_maxnreg"]
     return out
