@@ -212,7 +212,8 @@ def test_unknown_tile_keys_are_refused():
 
 def test_long_sequence_settings_from_32k_tokens():
     """The forward's cap (a launch through nsa_flex::capped_launch) at 16-bit Dk = Dv = 128 only,
-    from LONG_FROM_TOKENS tokens (B * T) on, never on the backward; 32-chunk backward items there."""
+    from LONG_FROM_TOKENS tokens (B * T) on, never on the backward; 64-chunk backward items there,
+    16 below at 16-bit D=128, 32 otherwise; 5 backward stages at 16-bit D <= 64."""
     caps = {(G, D, dtype, tokens): launch.launch_config(G, D, D, dtype, tokens)
             for G in (1, 4, 16) for D in (64, 128) for dtype in (torch.bfloat16, torch.float16, torch.float32)
             for tokens in (0, 16384, 32767, 32768, 1 << 20)}
@@ -225,6 +226,10 @@ def test_long_sequence_settings_from_32k_tokens():
     assert {key for key, cfg in caps.items() if cfg["bwd_chunks"] == 16} == {
         (G, 128, dtype, tokens) for G in (1, 4, 16) for dtype in (torch.bfloat16, torch.float16)
         for tokens in (0, 16384, 32767)}
+    assert {key for key, cfg in caps.items() if cfg["bwd_chunks"] == 64} == {
+        key for key in caps if key[3] >= 32768}
+    assert {key for key, cfg in caps.items() if cfg["bwd_stages"] == 5} == {
+        key for key in caps if key[1] == 64 and key[2] != torch.float32}
 
 
 # ----- the torch twin (CPU) -----
@@ -320,7 +325,7 @@ KERNEL_CASES = [
         # Register caps: the launches go through nsa_flex::capped_launch (the interpreter ignores the cap).
         (1, 111, 4, 64, 64, 4, 64, torch.float16, dict(fwd_maxnreg=168, bwd_maxnreg=255)),
         # The long-sequence settings at 16-bit D=128 (launch_config from LONG_FROM_TOKENS on).
-        (1, 200, 4, 128, 128, 4, 64, torch.float16, dict(fwd_maxnreg=168, bwd_chunks=32)),
+        (1, 200, 4, 128, 128, 4, 64, torch.float16, dict(fwd_maxnreg=168, bwd_chunks=64)),
         (1, 40, 2, 192, 128, 3, 16, torch.float32, None),
         (1, 40, 2, 192, 128, 3, 16, torch.bfloat16, None),
     ]
@@ -467,12 +472,12 @@ def test_kernels_gpu(T, G, Dk, Dv, dtype):
 @pytest.mark.parametrize("G, cu", [(4, None), (16, None), (4, [0, 100, 101, 121, 2696, 2760, 3000])])
 def test_kernels_gpu_long_sequence_settings(G, cu):
     """The settings launch_config gives from LONG_FROM_TOKENS tokens on (the forward's register cap
-    through nsa_flex::capped_launch, 32-chunk backward items), on a short input. (Not `poisoned`:
+    through nsa_flex::capped_launch, 64-chunk backward items), on a short input. (Not `poisoned`:
     its torch.empty would break the compiled index build, which then runs eagerly for the process.)"""
     cfg = make_config(G, 128, 128, 16, 64)
     long = launch.launch_config(G, 128, 128, torch.bfloat16, launch.LONG_FROM_TOKENS)
     tiles = {key: long[key] for key in ("fwd_maxnreg", "bwd_chunks")}
-    assert tiles == {"fwd_maxnreg": 168, "bwd_chunks": 32}
+    assert tiles == {"fwd_maxnreg": 168, "bwd_chunks": 64}
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     q, k, v, do = make_inputs(1, 3000, cfg, torch.bfloat16, seed=G, device="cuda")
     bi = random_selection(1, cfg.n_kv_heads, 3000, 16, 64, seed=G, cu_seqlens=cu)

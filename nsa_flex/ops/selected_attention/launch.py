@@ -33,8 +33,11 @@ PARTIAL_BYTES = 1 << 30
 # - the forward's register cap. A capped launch goes through an opaque op (ops/capped_launch.py),
 #   which costs host time: with the cap the op's forward took 1.81 against 1.63 ms at 8k tokens,
 #   2.46 against 2.52 at 16k, 5.24 against 5.47 at 32k and 12.28 against 13.01 at 64k;
-# - backward items of 32 chunks (1024 tokens at 128 rows): fwd+bwd 32.19 against 32.40 ms at 64k,
-#   13.77 against 13.82 at 32k, 64 MiB less peak (fewer fp32 dK/dV partials).
+# - backward items of 64 chunks (2048 tokens at 128 rows, 1024 at 64): fewer fp32 dK/dV partials
+#   for the block sum to read. 32 chunks against 16 at 16-bit D=128: fwd+bwd 32.19 against 32.40 ms
+#   at 64k, 13.77 against 13.82 at 32k, 64 MiB less peak; 64 against 32 (H200, kernels alone): the
+#   backward 7.64 against 7.74 ms at 64k; at D=64 (seeds-125m's heads, 5 stages) 1.22 against 1.27
+#   ms at 8k tokens x 4, 2.66 against 2.92 at 64k.
 LONG_FROM_TOKENS = 32768
 
 
@@ -50,8 +53,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     BT * fwd_chunks against the token-centric loop). Each chunk moves its M query rows in and M
     partial rows out, so at 8 chunks the block's K/V are ~1/8 of the item's traffic. A backward
     item walks bwd_chunks chunks with dK/dV in registers and then writes one fp32 [l', Dk + Dv]
-    partial: 32 chunks make that write ~3% of
-    the item's traffic while block 0 (read by all T tokens) still splits into T / (32 BT) items.
+    partial: 32 chunks make that write ~3% of the item's traffic while block 0 (read by all T
+    tokens) still splits into T / (32 BT) items; from LONG_FROM_TOKENS tokens on 64 chunks.
     The backward holds two [l', D] accumulators: 8 warps once padded Dk + Dv >= 256.
 
     Compiled for sm_90 without a GPU (Triton 3.6, ptxas -v, bf16, l' = 64): forward 127-190
@@ -61,12 +64,16 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     stays within shared memory (164 KB for the backward at 192/128).
 
     The backward pipelines 3 stages for 16-bit inputs with padded head dims <= 128 (15.65 against
-    16.28 ms at T=64k, G=4, D=128 on an H100); wider tiles keep 2, within shared memory.
+    16.28 ms at T=64k, G=4, D=128 on an H100); wider tiles keep 2, within shared memory. With both
+    head dims <= 64 it takes 5: its gathered rows are then loaded two chunks ahead, while with 3
+    or 4 stages Triton issues a chunk's loads after the previous chunk's dots and waits for them
+    at once (backward kernel 2.01 against 2.14 ms at T=64k, Hq=12, Hkv=3, D=64 on an H200; the
+    forward and the D=128 backward lost more in programs per SM than they gained, docs/decisions.md).
 
     Both kernels are latency-bound (profiled at T=16k, G=4, D=128: one or two programs per SM,
     0.8-1.2 TB/s), so deeper pipelines and bigger chunks pay where they fit. At 16-bit with
     Dk = Dv = 128 the backward takes M = 128 rows per chunk (16 chunks per item, the same 512-token
-    span; 32 from LONG_FROM_TOKENS tokens on) and the forward 4 stages: at T=16k / 64k, G=4 on an
+    span; 64 from LONG_FROM_TOKENS tokens on) and the forward 4 stages: at T=16k / 64k, G=4 on an
     H200 the backward took 2.37 / 10.26 ms against 2.97 / 12.63 with M = 64, the forward 1.43 /
     6.00 against 1.51 / 6.69 with 2 stages (docs/decisions.md).
 
@@ -86,10 +93,11 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     BT = max(1, (64 if narrow else 32) // GP)
     wide_rows = narrow and DKP + DVP == 256  # 16-bit, Dk = Dv = 128: measured (launch sweep)
     long = tokens >= LONG_FROM_TOKENS
+    small = narrow and max(DKP, DVP) <= 64
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
-            "bwd_chunks": 16 if wide_rows and not long else 32, "fwd_warps": 4,
+            "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
-            "bwd_stages": 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0, "bwd_maxnreg": 0,
+            "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0, "bwd_maxnreg": 0,
             "range_tokens": 0}
 
 
