@@ -62,6 +62,9 @@ def train(
                                                   help="Recompute blocks in the backward pass."),
     float8: bool = typer.Option(None, "--float8/--no-float8", help="torchao float8 Linear layers (CUDA)."),
     compile: str = typer.Option(None, help="Compile each block: auto (CUDA only), on, off." + _default("compile")),
+    cuda_graphs: str = typer.Option(None, "--cuda-graphs", help=(
+        "Replay compiled blocks as CUDA graphs: auto (one process on CUDA, grad_accum 1, no activation "
+        "checkpointing or float8), on, off." + _default("cuda_graphs"))),
     device: str = typer.Option(None, help="auto, cpu, cuda." + _default("device")),
     seed: int = typer.Option(None, help="Seed of the initialisation and the data." + _default("seed")),
     out_dir: str = typer.Option(None, "--out-dir", "-o", help=(
@@ -126,7 +129,8 @@ class RichCallback:
         v = info["versions"]
         self.console.print(" ".join(f"{k}={val}" for k, val in v.items() if val is not None), highlight=False)
         self.console.print(f"world_size={info['world_size']} device={info['device']} precision={info['precision']} "
-                           f"parallel={info['parallel']} compile={info['compile']} impl={info['impl']}",
+                           f"parallel={info['parallel']} compile={info['compile']} "
+                           f"cuda_graphs={info['cuda_graphs']} impl={info['impl']}",
                            highlight=False)
         self.console.print("config: " + json.dumps(info["config"], default=str), highlight=False, soft_wrap=True)
 

@@ -22,7 +22,7 @@ import torch
 
 from nsa_flex.training.train import NonFiniteLossError, TrainHooks, train
 from nsa_flex.training import checkpoint as ckpt
-from nsa_flex.training.config import ConfigError, build_config
+from nsa_flex.training.config import ConfigError, build_config, plan
 from nsa_flex.training.metrics import LoggingCallback, read_metrics
 from nsa_flex.training.watchdog import STALL_EXIT_CODE, Watchdog
 
@@ -216,6 +216,7 @@ def test_text_data_end_to_end(tmp_path):
     pytest.param({"precision": "fp8"}, "precision='fp8'", id="precision"),
     pytest.param({"steps": "10"}, "steps='10': must be of type int", id="steps-type"),
     pytest.param({"lr": -1.0}, "lr=-1.0", id="lr"),
+    pytest.param({"cuda_graphs": "always"}, r"cuda_graphs='always'.*allowed: auto, on, off", id="cuda-graphs"),
 ])
 def test_bad_settings(settings, match):
     with pytest.raises(ConfigError, match=match):
@@ -226,12 +227,31 @@ def test_bad_settings(settings, match):
     pytest.param({"model": {"vocab_size": 64}}, "needs 208 token ids .* vocab_size=64", id="vocab"),
     pytest.param({"float8": True}, "float8 training needs a CUDA device", id="float8-cpu"),
     pytest.param({"parallel": "ddp"}, "parallel=ddp needs torchrun", id="ddp-without-torchrun"),
+    pytest.param({"cuda_graphs": "on"}, r"cuda_graphs=on needs a CUDA device, compiled blocks \(compile on or "
+                 r"auto\); use cuda_graphs auto or off", id="cuda-graphs-cpu"),
     pytest.param({"resume": "latest"}, "--resume latest: no checkpoint", id="resume-latest"),
     pytest.param({"resume": "nowhere.pt"}, "--resume nowhere.pt: no such checkpoint file", id="resume-path"),
 ])
 def test_bad_runs_fail_clearly(tmp_path, settings, match):
     with pytest.raises((ConfigError, ckpt.CheckpointError), match=match):
         train(tiny(tmp_path, **settings))
+
+
+@pytest.mark.parametrize("settings, want", [
+    ({}, True), ({"cuda_graphs": "off"}, False), ({"cuda_graphs": "on"}, True), ({"compile": "off"}, False),
+    ({"grad_accum": 2}, False), ({"activation_checkpointing": True}, False), ({"float8": True}, False),
+    ({"parallel": "ddp"}, False),
+])
+def test_cuda_graphs_only_where_checked(monkeypatch, settings, want):
+    """auto turns CUDA graphs on for compiled blocks on CUDA in one process with one micro-batch,
+    no activation checkpointing and no float8, and off elsewhere; on outside them is refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    world = 2 if settings.get("parallel") == "ddp" else 1
+    cfg = build_config({}, {"preset": "tiny", **settings})
+    assert plan(cfg, world).cuda_graphs is want
+    if not want and "cuda_graphs" not in settings:
+        with pytest.raises(ConfigError, match=r"cuda_graphs=on needs .*; use cuda_graphs auto or off"):
+            plan(cfg.replace(cuda_graphs="on"), world)
 
 
 def test_corrupt_and_incompatible_checkpoints(tmp_path):

@@ -87,6 +87,10 @@ class TrainConfig:
     """torchao float8 training of the Linear layers (CUDA, torchao installed)."""
     compile: str = "auto"
     """Compile each block (fullgraph): on, off, or auto (on for CUDA, off on CPU)."""
+    cuda_graphs: str = "auto"
+    """Replay each compiled block as CUDA graphs (torch.compile mode "reduce-overhead"), which takes
+    the per-kernel launch cost off the step: on, off, or auto (on where it was checked: compiled
+    blocks on CUDA in one process, grad_accum 1, no activation checkpointing, no float8)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     seed: int = 0
@@ -129,7 +133,7 @@ class TrainConfig:
             _require("seq_len", self.seq_len, 1 <= self.seq_len <= self.model.max_seq_len,
                      f"must lie in [1, model.max_seq_len={self.model.max_seq_len}] (raise model.max_seq_len)")
         for name, allowed in (("precision", PRECISIONS), ("parallel", PARALLELS), ("compile", SWITCHES),
-                              ("device", DEVICES)):
+                              ("cuda_graphs", SWITCHES), ("device", DEVICES)):
             _require(name, getattr(self, name), getattr(self, name) in allowed, f"allowed: {', '.join(allowed)}")
         _require("resume", self.resume, bool(self.resume), "auto, none, latest or a checkpoint path")
 
@@ -155,6 +159,7 @@ class RunPlan:
     parallel: str
     compile: bool
     model: NSAModelConfig
+    cuda_graphs: bool = False
 
 
 def plan(config: TrainConfig, world_size: int, local_rank: int = 0) -> RunPlan:
@@ -177,7 +182,23 @@ def plan(config: TrainConfig, world_size: int, local_rank: int = 0) -> RunPlan:
     compile_on = {"auto": device.type == "cuda", "on": True, "off": False}[config.compile]
     if config.float8 and device.type != "cuda":
         raise ConfigError("float8 training needs a CUDA device with float8 support (sm_89 or newer)")
-    return RunPlan(device, precision, parallel, compile_on, config.model.resolve(device))
+    return RunPlan(device, precision, parallel, compile_on, config.model.resolve(device),
+                   _cuda_graphs(config, device, parallel, compile_on))
+
+
+def _cuda_graphs(config: TrainConfig, device: torch.device, parallel: str, compile_on: bool) -> bool:
+    """Whether the compiled blocks replay as CUDA graphs. Only where checked: outside those
+    settings "on" is refused and "auto" is off. (With several micro-batches a block's gradient
+    outputs, kept in .grad between them, would live in the graphs' memory pool.)"""
+    if config.cuda_graphs == "off":
+        return False
+    why = [reason for reason, bad in (
+        ("a CUDA device", device.type != "cuda"), ("compiled blocks (compile on or auto)", not compile_on),
+        ("one process (parallel none)", parallel != "none"), ("grad_accum 1", config.grad_accum != 1),
+        ("no activation checkpointing", config.activation_checkpointing), ("no float8", config.float8)) if bad]
+    if why and config.cuda_graphs == "on":
+        raise ConfigError(f"cuda_graphs=on needs {', '.join(why)}; use cuda_graphs auto or off")
+    return not why
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -225,8 +246,9 @@ def build_config(file_values: dict | None = None, overrides: dict | None = None)
     model = _replace(base, {**model_values, "nsa": nsa}, "model")
     if isinstance(merged.get("betas"), list):
         merged["betas"] = tuple(merged["betas"])
-    if isinstance(merged.get("compile"), bool):
-        merged["compile"] = "on" if merged["compile"] else "off"
+    for key in ("compile", "cuda_graphs"):
+        if isinstance(merged.get(key), bool):
+            merged[key] = "on" if merged[key] else "off"
     return _replace(TrainConfig(), {**TRAIN_PRESETS.get(preset, {}), **merged, "model": model}, "")
 
 

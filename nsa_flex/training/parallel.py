@@ -77,8 +77,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.checkpoint_activations = True
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """Compile each block once, fullgraph, in place (parameter names are unchanged)."""
+def compile_blocks(model: nn.Module, cuda_graphs: bool = False) -> None:
+    """Compile each block once, fullgraph, in place (parameter names are unchanged); cuda_graphs:
+    mode "reduce-overhead", each block's kernels replayed as CUDA graphs."""
     if model.config.attention == "nsa" and model.config.impl == "flex":
         # The flex backward needs Inductor's tile workaround before anything compiles (see
         # nsa_flex.flex.tuning); importing nsa_flex.flex here keeps imports out of the traced code.
@@ -86,8 +87,9 @@ def compile_blocks(model: nn.Module) -> None:
         from nsa_flex.flex.tuning import install_flex_tuning
 
         install_flex_tuning()
+    mode = "reduce-overhead" if cuda_graphs else None
     for block in model.layers:
-        block.compile(fullgraph=True, dynamic=False)
+        block.compile(fullgraph=True, dynamic=False, mode=mode)
 
 
 def parallelize(model: nn.Module, parallel: str, device: torch.device, world: World) -> nn.Module:

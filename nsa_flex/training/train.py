@@ -115,7 +115,7 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
         # 2. The config and the versions, before anything heavy.
         report.on_start({"config": config.to_dict(), "versions": versions(), "world_size": world.world_size,
                          "device": str(run.device), "precision": run.precision, "parallel": run.parallel,
-                         "compile": run.compile, "impl": run.model.impl})
+                         "compile": run.compile, "cuda_graphs": run.cuda_graphs, "impl": run.model.impl})
         # 3. Build the model where it runs, and the data (checked against its vocabulary).
         torch.manual_seed(config.seed)
         model = NSALM(run.model, device=run.device)
@@ -126,7 +126,7 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
         if config.activation_checkpointing:
             par.apply_activation_checkpointing(model)
         if run.compile:
-            par.compile_blocks(model)
+            par.compile_blocks(model, run.cuda_graphs)
         else:
             model.set_compiled_attention(False)
         wrapped = par.parallelize(model, run.parallel, run.device, world)
