@@ -115,10 +115,12 @@ def _shapes(device: str, seq_lens: tuple[int, ...], batches: tuple[int, ...] | N
 def model_summary(cfg: ModelBenchConfig) -> str:
     m = MODEL_PRESETS[cfg.preset]
     n = m.nsa
+    # train() replays compiled blocks as CUDA graphs on one GPU (its cuda_graphs "auto").
+    blocks = ("compiled blocks as CUDA graphs" if cfg.device == "cuda" else "compiled blocks") if cfg.compile \
+        else "eager"
     return (f"training steps of the {cfg.preset} LM ({m.n_layers} layers, dim {m.dim}, Hq={n.n_heads} "
-            f"Hkv={n.n_kv_heads} D={n.head_dim}, V={m.vocab_size}), {cfg.dtype}, "
-            f"{'compiled blocks' if cfg.compile else 'eager'}; NSA l={n.cmp_block} d={n.cmp_stride} "
-            f"l'={n.sel_block} n={n.n_selected} w={n.window} vs dense SDPA")
+            f"Hkv={n.n_kv_heads} D={n.head_dim}, V={m.vocab_size}), {cfg.dtype}, {blocks}; NSA l={n.cmp_block} "
+            f"d={n.cmp_stride} l'={n.sel_block} n={n.n_selected} w={n.window} vs dense SDPA")
 
 
 def model_notes(cfg: ModelBenchConfig) -> list[str]:
