@@ -116,12 +116,13 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     with torch.no_grad():
         _, lse = branches.compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, tiles)
         sel = select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale)
-        o_fold = [torch.randn_like(q_fold[..., :cfg.dv]) for _ in range(3)]
-    o_fold = [t.requires_grad_(True) for t in o_fold]
+        # The branch outputs as the gated sum takes them: o_cmp and o_win folded, o_sel not.
+        o_branches = [torch.randn_like(q_fold[..., :cfg.dv]), torch.randn_like(x["q"][..., :cfg.dv]),
+                      torch.randn_like(q_fold[..., :cfg.dv])]
+    o_branches = [t.requires_grad_(True) for t in o_branches]
     block = tiles.selected_impl(T, cfg.group_size) == "block"
     compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False)  # noqa: E731
     out = {
-        # The op also folds o_sel [B, T, Hq, Dv] for the gated sum: the same copy when Dv = Dk.
         "fold q": (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
         "compressed branch": (compile_(lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg,
                                                                           scale, tiles)[0]),
@@ -145,7 +146,7 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     out["window branch"] = (compile_(lambda: branches.window_branch(q_fold, leaf["k"], leaf["v"], cfg, scale, tiles)),
                             [q_fold, leaf["k"], leaf["v"]], "win")
     combine = branches.combine_for(x["q"])
-    out["gated sum"] = (lambda: combine(*o_fold, leaf["gates"], T), [*o_fold, leaf["gates"]], "sum")
+    out["gated sum"] = (lambda: combine(*o_branches, leaf["gates"], T), [*o_branches, leaf["gates"]], "sum")
     return out
 
 

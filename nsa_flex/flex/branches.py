@@ -3,11 +3,11 @@
 compressed call (with lse: one causal cuDNN call over token groups where it applies, see
 compressed_groups, else a Flex call) -> selection op -> selected branch -> window Flex call -> gated
 sum. The selected branch is the block-centric op nsa_flex::selected_attention or a Flex call
-over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. All three calls use the folded GQA layout, q [B, T, Hq, D] ->
-[B, Hkv, T*G, D] (row t*G + g = query head h*G + g at token t), so none goes through
-FlexAttention's enable_gqa path: on torch 2.11 that path gave wrong dK/dV for the window
-branch in several configurations, while the folded selected branch was right in all
-(docs/records/flex_enable_gqa_tests_h200.txt). Every step is traceable, so the whole op compiles
+over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. The
+Flex calls use the folded GQA layout, q [B, T, Hq, D] -> [B, Hkv, T*G, D] (row t*G + g = query
+head h*G + g at token t), so none goes through FlexAttention's enable_gqa path: on torch 2.11
+that path gave wrong dK/dV for the window branch in several configurations, while the folded
+selected branch was right in all (docs/records/flex_enable_gqa_tests_h200.txt). Every step is traceable, so the whole op compiles
 with `torch.compile(nsa_flex, fullgraph=True)` and the gated sum fuses with the unfolding.
 
 On CUDA each branch's flex call is a small function compiled once at module level
@@ -119,10 +119,13 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
 
 def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
                       k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
-    """The three branch outputs before the gates, each [B, Hkv, T*G, Dv] (folded), and the selection.
+    """The three branch outputs before the gates and the selection: o_cmp and o_win folded
+    [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv].
 
     nsa_flex without its gated sum: NSAAttention recomputes that sum (and its gates) in the
     backward instead of keeping its output (see NSAAttention.forward). Arguments as nsa_flex.
+    o_sel stays unfolded because the block-centric op keeps its output for its own backward: a
+    folded copy, kept for the gated sum's backward, would be a second [T, Hq, Dv] per layer.
     """
     _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
     T, Hkv = q.shape[1], k.shape[2]
@@ -147,11 +150,12 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
                                       cu_seqlens_cmp=cu_cmp)
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
-        o_sel = fold(selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens), Hkv)
+        o_sel = selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens)
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     else:
         keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
-        o_sel = selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial, keys=keys)
+        o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,
+                                       keys=keys), T)
         if k_win is None:
             # The window reads the same keys through a view of the selected branch's tensors: with
             # initial-block copies those are new tensors, and one saved copy of K/V beats two.
@@ -166,14 +170,15 @@ def combine_for(q: torch.Tensor):
 
 
 def gated_sum(o_cmp, o_sel, o_win, gates, T: int) -> torch.Tensor:
-    """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in at least fp32 (fp64 stays fp64), unfolded to [B,T,Hq,Dv].
+    """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in at least fp32 (fp64 stays fp64) as [B,T,Hq,Dv];
+    o_cmp and o_win folded, o_sel not (as nsa_flex_branches gives them).
 
     Compiled on CUDA (one fused kernel each way; eager it costs 18 / 40 ms forward /
     forward+backward at T=64k on an H200).
     """
     acc = torch.promote_types(o_cmp.dtype, torch.float32)
     g = gates.to(acc)
-    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * unfold(o_sel, T).to(acc) \
+    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * o_sel.to(acc) \
         + g[..., 2:3] * unfold(o_win, T).to(acc)
     return o.to(o_cmp.dtype)
 
