@@ -18,6 +18,8 @@ def test_train_command_prints_config_versions_then_progress(tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].startswith("nsa_flex=") and "torch=" in lines[0]
+    # On the CPU the blocks stay eager, and so no CUDA graphs.
+    assert "compile=False cuda_graphs=False" in lines[1]
     assert lines[2].startswith("config: {") and '"seq_len": 64' in lines[2]
     assert "step      3/3  loss" in result.output and "tok/s" in result.output
     assert "done: step 3" in result.output
@@ -58,6 +60,8 @@ def test_config_file_errors(tmp_path, monkeypatch):
     pytest.param(["--config", "nowhere.toml"], "nowhere.toml does not exist", id="config"),
     pytest.param(["--resume", "nowhere.pt"], "no such checkpoint file", id="resume"),
     pytest.param(["--attention", "sparse"], "attention='sparse'", id="attention"),
+    pytest.param(["--cuda-graphs", "always"], "cuda_graphs='always'", id="cuda-graphs-choice"),
+    pytest.param(["--cuda-graphs", "on"], "cuda_graphs=on needs a CUDA device", id="cuda-graphs-on-cpu"),
 ])
 def test_train_command_errors(tmp_path, args, message):
     result = CliRunner().invoke(app, ["train", *FAST, "--steps", "1", "-o", str(tmp_path), *args])
