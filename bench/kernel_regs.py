@@ -72,6 +72,9 @@ class _Compiler:
             kwargs["F32_DOT"] = False
         if "PDL" in kwargs:
             kwargs["PDL"], kwargs["launch_pdl"] = True, True
+        # As capped_launch.launch: maxnreg 0 means no cap.
+        if not kwargs.get("maxnreg"):
+            kwargs.pop("maxnreg", None)
         binder = create_function_from_signature(fn.signature, fn.params, self.backend)
         bound, spec, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, spec, options)

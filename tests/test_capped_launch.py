@@ -47,7 +47,7 @@ def affine(x: torch.Tensor, a: float, b: float, maxnreg: int) -> tuple[torch.Ten
     y = torch.full_like(x, -7.0)
     flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch(_affine_kernel, (triton.cdiv(n, 32),), x, y, flag, n, a, b, writes=(y, flag), SHIFT=True, BLOCK=32,
-           **({"maxnreg": maxnreg} if maxnreg else {}))
+           maxnreg=maxnreg)
     return y, flag
 
 

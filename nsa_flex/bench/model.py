@@ -23,7 +23,7 @@ from nsa_flex.bench.core import Progress, Row, Suite, add_speedups, describe_err
 from nsa_flex.training.memory import estimate
 from nsa_flex.model import ATTENTIONS, MODEL_PRESETS
 from nsa_flex.training.train import train
-from nsa_flex.training.config import build_config
+from nsa_flex.training.config import build_config, plan
 
 DEVICES = ("cuda", "cpu")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -115,9 +115,10 @@ def _shapes(device: str, seq_lens: tuple[int, ...], batches: tuple[int, ...] | N
 def model_summary(cfg: ModelBenchConfig) -> str:
     m = MODEL_PRESETS[cfg.preset]
     n = m.nsa
-    # train() replays compiled blocks as CUDA graphs on one GPU (its cuda_graphs "auto").
-    blocks = ("compiled blocks as CUDA graphs" if cfg.device == "cuda" else "compiled blocks") if cfg.compile \
-        else "eager"
+    T, B = cfg.shapes[0]
+    run = plan(build_config({}, train_settings(cfg.preset, "nsa", T, B, 1, Path("."), device=cfg.device,
+                                               compile=cfg.compile)), world_size=1)
+    blocks = "eager" if not run.compile else "compiled blocks as CUDA graphs" if run.cuda_graphs else "compiled blocks"
     return (f"training steps of the {cfg.preset} LM ({m.n_layers} layers, dim {m.dim}, Hq={n.n_heads} "
             f"Hkv={n.n_kv_heads} D={n.head_dim}, V={m.vocab_size}), {cfg.dtype}, {blocks}; NSA l={n.cmp_block} "
             f"d={n.cmp_stride} l'={n.sel_block} n={n.n_selected} w={n.window} vs dense SDPA")

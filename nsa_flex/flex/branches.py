@@ -7,8 +7,9 @@ over folded tiles, whichever FlexTiles.selected_impl picks for the group size an
 Flex calls use the folded GQA layout, q [B, T, Hq, D] -> [B, Hkv, T*G, D] (row t*G + g = query
 head h*G + g at token t), so none goes through FlexAttention's enable_gqa path: on torch 2.11
 that path gave wrong dK/dV for the window branch in several configurations, while the folded
-selected branch was right in all (docs/records/flex_enable_gqa_tests_h200.txt). Every step is traceable, so the whole op compiles
-with `torch.compile(nsa_flex, fullgraph=True)` and the gated sum fuses with the unfolding.
+selected branch was right in all (docs/records/flex_enable_gqa_tests_h200.txt). Every step is
+traceable, so the whole op compiles with `torch.compile(nsa_flex, fullgraph=True)` and the gated
+sum fuses with the unfolding.
 
 On CUDA each branch's flex call is a small function compiled once at module level
 (inside an outer compile Dynamo inlines it). On CPU flex runs eagerly (dense, for

@@ -33,9 +33,11 @@ def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
     kernel: a module-level @triton.jit function. args: tensors, None, bools, ints and floats.
     writes: the tensors among args that the kernel stores to (a capped launch declares them to
     torch.library; the other tensors are only read). kwargs: constexprs and launch options, all
-    plain values (bool, int, float, str, None).
+    plain values (bool, int, float, str, None); maxnreg 0 or None means no cap.
     """
-    if not kwargs.get("maxnreg") or torch.compiler.is_dynamo_compiling():
+    if not kwargs.get("maxnreg"):
+        kwargs.pop("maxnreg", None)
+    if "maxnreg" not in kwargs or torch.compiler.is_dynamo_compiling():
         wrap_triton(kernel)[tuple(grid)](*args, **kwargs)
         return
     name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"

@@ -145,7 +145,7 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
             VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
             LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], writes=(out, flags),
-            **({"maxnreg": tiles["maxnreg"]} if tiles["maxnreg"] else {}),
+            maxnreg=tiles["maxnreg"],
         )
 
     if tiles["LISTS"]:

@@ -150,10 +150,8 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
 
 def _launch(cfg: dict, pass_: str) -> dict:
     """Triton launch options of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
-    out = {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"]}
-    if cfg[f"{pass_}_maxnreg"]:
-        out["maxnreg"] = cfg[f"{pass_}_maxnreg"]
-    return out
+    return {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"],
+            "maxnreg": cfg[f"{pass_}_maxnreg"]}
 
 
 def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int) -> dict:
