@@ -395,6 +395,23 @@ def test_kernels_interpreted_token_ranges(T, R, dtype, cu, poisoned):
     check(got, q, k, v, do, bi, cfg, cu)
 
 
+@interpreter
+def test_kernels_interpreted_token_ranges_with_later_blocks(poisoned):
+    """A given selection may list blocks after a token's own (masked whole, exact zeros): with
+    token ranges run last first, such a block is already final when an earlier range lists it,
+    and must keep the dK/dV its own and later tokens gave it."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    T = 130
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=11)
+    bi = random_selection(1, 2, T, 4, 16, seed=11)
+    g = torch.Generator().manual_seed(12)
+    later = torch.randint(0, -(-T // 16), (1, 2, T), generator=g)
+    bi[..., -1] = torch.where(later > torch.arange(T) // 16, later, bi[..., -1])
+    assert (bi[..., -1] > torch.arange(T) // 16).sum() > 20
+    got = run_kernels(q, k, v, do, bi, cfg, tiles=dict(range_tokens=40, bwd_chunks=2))
+    check(got, q, k, v, do, bi, cfg)
+
+
 def test_range_tokens_bound_the_partial_buffers():
     """Ranges: the whole sequence when its partials fit, else multiples of 64 tokens whose
     partial buffer stays within PARTIAL_BYTES; an explicit range_tokens wins."""

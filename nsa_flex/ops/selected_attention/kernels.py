@@ -175,23 +175,33 @@ if HAS_TRITON:
 
     @triton.jit
     def _block_sum_kernel(
-        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_in_ptr, dv_in_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
-        blk_end_ptr, Hkv, Nv, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
+        blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        ADD: tl.constexpr, IN_PLACE: tl.constexpr,
+        SUMS: tl.constexpr, ADD: tl.constexpr,
     ):
-        """dK, dV of one (batch, kv head, virtual block): its items' partials summed in item order.
+        """dK, dV of one (batch, kv head, virtual block) for the token range [T0, T1): its items'
+        partials summed in item order.
 
-        Every key lies in exactly one virtual block, so this writes all of dK and dV (zeros for
-        keys no token selected). ADD: plus dk_in / dv_in (fp32, dK/dV's strides), the sums of
-        the token ranges before this one; IN_PLACE: those sums are read from dk / dv themselves
-        (a program owns its keys), so no launch gets one tensor twice."""
+        Without SUMS (one range) every block is final here: this writes all of dK and dV (zeros
+        for keys no token selected; every key lies in exactly one virtual block). With SUMS the
+        ranges run last first. A token selects only blocks that start at or before it (later
+        listed blocks are masked whole and add exact zeros), so a block that starts at or after
+        T1 is final already and is skipped; one that starts in [T0, T1) is final in this range
+        and goes to dk / dv; one that starts before T0 still waits for earlier ranges and goes
+        to the fp32 sums dk_sum / dv_sum (dK/dV's strides). ADD: the sums hold the later
+        ranges' contributions, read and added."""
         row = tl.program_id(0)
         vb = row % Nv
         b = (row // Nv // Hkv).to(tl.int64)
         h = (row // Nv) % Hkv
         first = tl.load(first_item_ptr + row).to(tl.int64)
+        ks = tl.load(blk_start_ptr + vb)
         count = tl.load(n_items_ptr + row)
+        # Without SUMS (T0 = 0, T1 = T) every block is live and final.
+        live = ks < T1
+        final = ks >= T0
+        count = tl.where(live, count, 0)
         r = tl.arange(0, BL)
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
@@ -201,24 +211,21 @@ if HAS_TRITON:
             w = first + i
             dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
             dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
-        key = tl.load(blk_start_ptr + vb) + r
-        key_ok = key < tl.load(blk_end_ptr + vb)
+        key = ks + r
+        key_ok = (key < tl.load(blk_end_ptr + vb)) & live
         kt = key.to(tl.int64)[:, None]
+        k_at = b * sk_b + kt * sk_t + h * sk_h + dk[None, :]
+        v_at = b * sv_b + kt * sv_t + h * sv_h + dv[None, :]
+        k_ok = key_ok[:, None] & (dk[None, :] < DK)
+        v_ok = key_ok[:, None] & (dv[None, :] < DV)
         if ADD:
-            if IN_PLACE:
-                src_k = dk_ptr
-                src_v = dv_ptr
-            else:
-                src_k = dk_in_ptr
-                src_v = dv_in_ptr
-            dk_acc += tl.load(src_k + b * sk_b + kt * sk_t + h * sk_h + dk[None, :],
-                              mask=key_ok[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
-            dv_acc += tl.load(src_v + b * sv_b + kt * sv_t + h * sv_h + dv[None, :],
-                              mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-        tl.store(dk_ptr + b * sk_b + kt * sk_t + h * sk_h + dk[None, :], dk_acc.to(dk_ptr.dtype.element_ty),
-                 mask=key_ok[:, None] & (dk[None, :] < DK))
-        tl.store(dv_ptr + b * sv_b + kt * sv_t + h * sv_h + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty),
-                 mask=key_ok[:, None] & (dv[None, :] < DV))
+            dk_acc += tl.load(dk_sum_ptr + k_at, mask=k_ok, other=0.0)
+            dv_acc += tl.load(dv_sum_ptr + v_at, mask=v_ok, other=0.0)
+        tl.store(dk_ptr + k_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=k_ok & final)
+        tl.store(dv_ptr + v_at, dv_acc.to(dv_ptr.dtype.element_ty), mask=v_ok & final)
+        if SUMS:
+            tl.store(dk_sum_ptr + k_at, dk_acc, mask=k_ok & ~final)
+            tl.store(dv_sum_ptr + v_at, dv_acc, mask=v_ok & ~final)
 
     @triton.jit
     def _slot_kernel(

@@ -214,10 +214,14 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     lse = lse.contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     ranges = _ranges(T, R)
-    # Ranges before the last sum their dK/dV into fp32 buffers shaped like dk / dv (in place).
-    dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
-    dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
-    for i, (t0, t1) in enumerate(ranges):
+    # Several ranges run last first: a block is final in the range holding its first key (no
+    # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
+    # So the sums hold only the blocks that earlier ranges still reach, and each block is
+    # written to dk / dv once (see _block_sum_kernel).
+    sums = len(ranges) > 1
+    dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if sums else None
+    dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if sums else None
+    for i, (t0, t1) in enumerate(reversed(ranges)):
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
@@ -230,16 +234,14 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                    index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
                    *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], writes=(dqp, dkp, dvp),
                    **consts, **_launch(cfg, "bwd"))
-        last = i == len(ranges) - 1
-        # First range: write; middle ranges: add in place; last range: the sums plus its own, into dk / dv.
-        dk_out, dv_out = (dk, dv) if last else (dk_sum, dv_sum)
-        dk_in, dv_in = (dk_sum, dv_sum) if last and i > 0 else (dkp, dvp)  # dkp / dvp: never read
         if B * Hkv * Nv > 0:
+            # One range: no sums; the index's counts and offsets (int32 tensors no other argument
+            # aliases) stand in for them, never read or written.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
-                dkp, dvp, dk_out, dv_out, dk_in, dv_in, items.first_item, items.n_items, index.blk_start,
-                index.blk_end, Hkv, Nv, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk,
-                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], ADD=i > 0, IN_PLACE=not last,
-                num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
+                dkp, dvp, dk, dv, dk_sum if sums else index.counts, dv_sum if sums else index.offsets,
+                items.first_item, items.n_items, index.blk_start, index.blk_end, Hkv, Nv, t0, t1,
+                *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"], DV=consts["DV"],
+                DVP=consts["DVP"], SUMS=sums, ADD=i > 0, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         _slot_sum(dqp, None, index, dq, None, t0, merge=False)
     return dq, dk, dv
 
