@@ -135,37 +135,33 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     if cu_seqlens is not None:
         cu_cmp = compressed_seqlens(cu_seqlens, config)
         docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1])
-    G = q.shape[2] // Hkv
     q_fold = q_room = None
     if k_cmp.shape[1] > 0 and compressed_impl(q, k_cmp, v_cmp, tiles, docs) != "flex":
         # The grouped compressed call reads a few rows past the folded queries: one tensor holds both.
+        G = q.shape[2] // Hkv
         q_room = fold(q, Hkv, rows=compressed_groups.grouped_rows(T * G, config, k_cmp.shape[1]))
         q_fold = q_room[:, :, :T * G]
     else:
         q_fold = fold(q, Hkv)
+    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
-    block_centric = tiles.selected_impl(T, G) == "block"
-    keys = None
-    if not block_centric:
-        keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
-    if k_win is None:
-        # The Flex selected call's keys may be new tensors (initial-block copies): the window reads
-        # them through a view, and one saved copy of K/V beats two.
-        k_win, v_win = (k, v) if keys is None else (keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2))
-    # The window call first: compiled, its lowering makes the folded queries a buffer, and the
-    # compressed call's grouped view of that buffer then needs no copy of its own (Inductor copies
-    # an SDPA input that is not yet a buffer into the layout it wants).
-    o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
-    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
     if block_indices is None:
         block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
                                       cu_seqlens_cmp=cu_cmp)
-    if block_centric:
+    G = q.shape[2] // Hkv
+    if tiles.selected_impl(T, G) == "block":
         o_sel = selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens)
+        k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     else:
+        keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
         o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,
                                        keys=keys), T)
+        if k_win is None:
+            # The window reads the same keys through a view of the selected branch's tensors: with
+            # initial-block copies those are new tensors, and one saved copy of K/V beats two.
+            k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
+    o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
     return o_cmp, o_sel, o_win, block_indices
 
 
