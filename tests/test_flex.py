@@ -8,7 +8,6 @@ the compiled kernels are GPU tests (tests/test_flex_gpu.py).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -588,50 +587,6 @@ def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
     assert tuning.is_installed() and inductor_config.inductor_choices_class is NSAFlexChoices
     assert NSAFlexChoices().uuid()
 
-
-
-def test_install_flex_tuning_reaches_a_thread_that_compiled_before(monkeypatch):
-    """Inductor keeps one choices handler per thread, made on its first compile: a thread that
-    made a plain InductorChoices before the install (the autograd engine's, after an earlier
-    compiled backward) must also get the 16x16 backward config, else the selected Flex call's
-    backward finds no config on it."""
-    import threading
-
-    import torch._inductor.config as inductor_config
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.virtualized import V
-
-    from nsa_flex.flex import tuning
-    from nsa_flex.flex.inductor_choices import NSAFlexChoices, _fallback_bwd_config
-
-    fallback = _fallback_bwd_config()
-    wide = dataclasses.replace(fallback, block_m1=64, block_n1=64, block_m2=64, block_n2=64)
-    monkeypatch.setattr(tuning, "_INSTALLED", False)
-    monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
-    # sm90's defaults without a GPU: 64-wide tiles only (the install's patch of the base class is
-    # undone with this at teardown).
-    monkeypatch.setattr(InductorChoices, "get_flex_attention_bwd_configs", lambda self, *a, **k: [wide])
-    made, installed, seen = threading.Event(), threading.Event(), {}
-
-    def worker():
-        try:
-            seen["before"] = V.choices.get_flex_attention_bwd_configs(64, torch.bfloat16)
-        finally:
-            made.set()
-        installed.wait(60)
-        seen["handler"] = type(V.choices)
-        seen["after"] = V.choices.get_flex_attention_bwd_configs(64, torch.bfloat16)
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    made.wait(60)
-    tuning.install_flex_tuning()
-    installed.set()
-    thread.join(60)
-    assert seen["before"] == [wide] and seen["handler"] is InductorChoices
-    assert seen["after"] == [wide, fallback]
-    # The installed class adds it once, on top of the patched base.
-    assert NSAFlexChoices().get_flex_attention_bwd_configs(64, torch.bfloat16) == [wide, fallback]
 
 # ---------------------------------------------------------------- row chunks and the initial-blocks split
 

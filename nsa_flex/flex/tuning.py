@@ -10,13 +10,13 @@ block size; the tiles that actually run then come from `kernel_options` (below, 
 head dim and dtype), which override the config's.
 
 `install_flex_tuning()` installs it, process-global: as `torch._inductor.config.
-inductor_choices_class` (read by each thread when it first compiles), as the calling thread's
-choices handler, and into InductorChoices itself for threads that compiled before (Inductor
-keeps one handler per thread: the autograd engine's, which compiles lazy backwards, may have
-made its own already). `nsa_flex` calls it on
-its first eager CUDA call; code that compiles `nsa_flex` (or a model using it) must call
-it once before compiling. Effect on other FlexAttention users in the process: one more
-candidate backward config; where both fit their masks, Inductor autotunes between them.
+inductor_choices_class` and as the calling thread's choices handler. Inductor makes one handler
+per thread, from that class, on the thread's first compile: a thread that compiled before the
+install (the autograd engine's, after an earlier compiled backward) keeps Inductor's own.
+`nsa_flex` calls it on its first eager CUDA call; code that compiles `nsa_flex` (or a model
+using it) must call it once before compiling anything. Effect on other FlexAttention users in
+the process: one more candidate backward config; where both fit their masks, Inductor
+autotunes between them.
 """
 
 from __future__ import annotations
@@ -148,7 +148,6 @@ def install_flex_tuning() -> None:
     from torch._inductor.virtualized import V
 
     from nsa_flex.flex.inductor_choices import NSAFlexChoices as cls
-    from nsa_flex.flex.inductor_choices import patch_default_choices
 
     current = getattr(inductor_config, "inductor_choices_class", None)
     if current is not None and current is not cls:
@@ -160,8 +159,6 @@ def install_flex_tuning() -> None:
     if hasattr(inductor_config, "inductor_choices_class"):
         inductor_config.inductor_choices_class = cls
     V.set_choices_handler(cls())
-    # Threads whose handler predates this (the autograd engine's) keep a plain InductorChoices.
-    patch_default_choices()
     _INSTALLED = True
 
 
