@@ -151,6 +151,7 @@ def test_cpu_sweep_end_to_end(tmp_path):
     assert result.output.rstrip().splitlines()[-1].startswith("- CPU run:")
     md = (tmp_path / "cpu.md").read_text()
     assert "| impl | mode | T | median ms |" in md and md.strip() in result.output
+    assert "| back-to-back ms | back-to-back speedup |" in md
     if pytest.importorskip("matplotlib"):
         assert (tmp_path / "cpu.png").stat().st_size > 1000
     report = json.loads((tmp_path / "cpu.json").read_text())
@@ -166,6 +167,13 @@ def test_cpu_sweep_end_to_end(tmp_path):
         assert rows["reference", "fwd+bwd", T]["flops"] == pytest.approx(3.5 * rows["reference", "fwd", T]["flops"])
         # nsa-flex: forward on CPU (its correctness is test_flex.py's business: here it either ran or
         # its failure is a row with the error); its fwd+bwd row says why it is skipped.
+        for impl in ("reference", "dense"):
+            for mode in ("fwd", "fwd+bwd"):
+                assert rows[impl, mode, T]["extra"]["back_to_back_ms"] > 0
+        assert rows["dense", "fwd", T]["extra"]["speedup_back_to_back"] == 1.0
+        b2b = {impl: rows[impl, "fwd", T]["extra"]["back_to_back_ms"] for impl in ("reference", "dense")}
+        assert rows["reference", "fwd", T]["extra"]["speedup_back_to_back"] == pytest.approx(
+            b2b["dense"] / b2b["reference"])
         flex = rows["nsa-flex", "fwd", T]
         assert flex["status"] == "ok" or (flex["status"] == "error" and flex["error"]), flex
         assert rows["nsa-flex", "fwd+bwd", T]["status"] == "skipped"
@@ -220,6 +228,27 @@ def test_speedups_use_the_first_measured_baseline():
             Row(suite="s", impl="nsa-flex", mode="fwd", T=16, median_ms=1.0)]
     assert add_speedups(rows, ("dense-cudnn", "dense-flash")) == "dense-flash"
     assert [r.speedup for r in rows] == [None, 1.0, 4.0, None]
+
+
+def test_back_to_back_speedups_need_both_rows_timed_so():
+    """extra["speedup_back_to_back"] only where the row and its baseline were both timed back to back."""
+    rows = [Row(suite="s", impl="dense", mode="fwd", T=8, median_ms=4.0, extra={"back_to_back_ms": 3.0}),
+            Row(suite="s", impl="nsa-flex", mode="fwd", T=8, median_ms=2.0, extra={"back_to_back_ms": 1.5}),
+            Row(suite="s", impl="peer", mode="fwd", T=8, median_ms=8.0)]
+    add_speedups(rows, ("dense",))
+    assert [r.speedup for r in rows] == [1.0, 2.0, 0.5]
+    assert [r.extra.get("speedup_back_to_back") for r in rows] == [1.0, 2.0, None]
+
+
+def test_time_back_to_back_is_the_mean_of_the_calls(monkeypatch):
+    """CPU: the host clock around `iters` calls, divided by iters."""
+    from nsa_flex.bench import core
+
+    calls = []
+    clock = iter([10.0, 10.6])
+    monkeypatch.setattr(core.time, "perf_counter", lambda: next(clock))
+    assert core.time_back_to_back(lambda: calls.append(1), device="cpu", iters=3) == pytest.approx(200.0)
+    assert len(calls) == 3
 
 
 def test_attention_sweep_reports_rows_as_it_goes(tmp_path):

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from nsa_flex.bench.core import (
+    BACK_TO_BACK,
     Progress,
     Row,
     Suite,
@@ -21,6 +22,7 @@ from nsa_flex.bench.core import (
     describe_error,
     free_memory,
     register_suite,
+    time_back_to_back,
     time_calls,
 )
 from nsa_flex.bench.flops import BWD_FACTOR, MODES, mode_flops
@@ -170,7 +172,10 @@ def attention_notes(cfg: AttentionBenchConfig) -> list[str]:
         cfg.inputs,
         f"flops: attention matmuls only, 2 flops per MAC; dense causal fwd = 2*B*Hq*(T^2/2)*(Dk+Dv); "
         f"NSA effective fwd counts each branch's keys exactly; bwd = {BWD_FACTOR} x fwd (convention).",
-        "first call ms: the first call alone (compile, autotune, plan creation); median ms: of the timed calls.",
+        "first call ms: the first call alone (compile, autotune, plan creation); median ms: of the timed calls, "
+        "each alone and synced, so it holds the host time before the call's first kernel; back-to-back ms: "
+        "the mean of as many calls issued back to back, one sync at the end (the host runs ahead, as in a "
+        "training loop); speedups of each against the baseline's.",
     ]
     notes += [f"left out (optional peer): {why}" for why in cfg.left_out]
     if cfg.device == "cpu":
@@ -277,8 +282,10 @@ def _time_mode(impl: Impl, cfg: AttentionBenchConfig, mode: str, built: Built, b
     if mode == "fwd+bwd" and cfg.device == "cpu" and impl.cpu_forward_only:
         return Row(**base, mode=mode, status="skipped",
                    note="FlexAttention has no backward on CPU: fwd+bwd needs CUDA")
+    step = _step(built, mode)
     try:
-        timing = time_calls(_step(built, mode), device=cfg.device, warmup=cfg.warmup, iters=cfg.iters)
+        timing = time_calls(step, device=cfg.device, warmup=cfg.warmup, iters=cfg.iters)
+        back_to_back = time_back_to_back(step, device=cfg.device, iters=cfg.iters)
     except Exception as exc:
         error = describe_error(exc)
         free_memory(cfg.device)
@@ -287,7 +294,7 @@ def _time_mode(impl: Impl, cfg: AttentionBenchConfig, mode: str, built: Built, b
     median = timing.median_ms
     return Row(**base, mode=mode, median_ms=median, min_ms=min(timing.times_ms), first_call_ms=timing.first_ms,
                iters=cfg.iters, flops=flops, tflops=flops / median / 1e9, peak_mem_mib=timing.peak_mem_mib,
-               note=built.note)
+               note=built.note, extra={BACK_TO_BACK: back_to_back})
 
 
 def _step(built: Built, mode: str) -> Callable[[], None]:

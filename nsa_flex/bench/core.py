@@ -106,13 +106,22 @@ def pick_baseline(rows: list[Row], order: tuple[str, ...]) -> str | None:
     return next((name for name in order if name in measured), None)
 
 
+BACK_TO_BACK = "back_to_back_ms"
+"""Row.extra key: mean ms per call of calls issued back to back (time_back_to_back)."""
+
+
 def add_speedups(rows: list[Row], order: tuple[str, ...]) -> str | None:
-    """Fill each row's speedup against the baseline's row of the same T and mode."""
+    """Fill each row's speedup against the baseline's row of the same T and mode, and, where both
+    rows were also timed back to back, extra["speedup_back_to_back"] likewise."""
     base = pick_baseline(rows, order)
-    ref = {(r.T, r.mode): r.median_ms for r in rows if r.impl == base and r.status == "ok"}
+    ref = {(r.T, r.mode): r for r in rows if r.impl == base and r.status == "ok"}
     for r in rows:
-        if r.status == "ok" and (r.T, r.mode) in ref:
-            r.speedup = ref[(r.T, r.mode)] / r.median_ms
+        b = ref.get((r.T, r.mode))
+        if r.status != "ok" or b is None:
+            continue
+        r.speedup = b.median_ms / r.median_ms
+        if BACK_TO_BACK in r.extra and BACK_TO_BACK in b.extra:
+            r.extra["speedup_back_to_back"] = b.extra[BACK_TO_BACK] / r.extra[BACK_TO_BACK]
     return base
 
 
@@ -132,6 +141,28 @@ def time_calls(step: Callable[[], object], *, device: str, warmup: int, iters: i
     times = tuple(_timed(step, cuda) for _ in range(iters))
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     return Timing(first, times, peak)
+
+
+def time_back_to_back(step: Callable[[], object], *, device: str, iters: int) -> float:
+    """Mean ms per call of `iters` calls issued back to back, one sync at the end.
+
+    The host runs ahead as it does in a training loop, so a call's host time before its first
+    kernel overlaps the previous call's GPU work; time_calls' synced calls count it in full.
+    CUDA: events around the loop; CPU: the host clock.
+    """
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def _timed(step: Callable[[], object], cuda: bool) -> float:

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from nsa_flex.bench.core import SCHEMA, SUITES, Row, add_speedups, environment, make_header, pick_baseline
+from nsa_flex.bench.core import (BACK_TO_BACK, SCHEMA, SUITES, Row, add_speedups, environment, make_header,
+                                 pick_baseline)
 
 
 def write_report(out_dir: Path, stem: str, *, suite: str, config, rows: list[Row], summary: str,
@@ -58,6 +59,7 @@ def merge_reports(paths: list[Path], out_dir: Path, stem: str, baseline_order: t
     if baseline_order is not None:
         for r in rows:
             r.speedup = None
+            r.extra.pop("speedup_back_to_back", None)
         header["speedup_baseline"] = add_speedups(rows, baseline_order)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +81,9 @@ def default_stem(suite: str, device: str) -> str:
 
 def markdown(header: dict[str, Any], rows: list[Row]) -> str:
     base = header.get("speedup_baseline")
+    # Suites that also time calls back to back (attention) get two more columns.
+    b2b = any(BACK_TO_BACK in r.extra for r in rows)
+    extra_head, extra_rule = ("| back-to-back ms | back-to-back speedup ", "---:|---:|") if b2b else ("", "")
     lines = [
         f"### nsa-flex bench {header['suite']}: {header['device']}",
         "",
@@ -86,10 +91,10 @@ def markdown(header: dict[str, Any], rows: list[Row]) -> str:
         f"commit {header['git_commit'][:12]}, {header['date']}.",
         "",
         "| impl | mode | T | median ms | first call ms | TFLOP/s | peak MiB "
-        f"| speedup vs {base or 'dense'} | check | note |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+        f"| speedup vs {base or 'dense'} {extra_head}| check | note |",
+        f"|---|---|---|---:|---:|---:|---:|---:|{extra_rule}---|---|",
     ]
-    lines += [_md_row(r) for r in rows]
+    lines += [_md_row(r, b2b) for r in rows]
     lines += ["", "Checks (before timing):"]
     checks: dict[str, str] = {}
     for r in rows:
@@ -101,7 +106,7 @@ def markdown(header: dict[str, Any], rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _md_row(r: Row) -> str:
+def _md_row(r: Row, b2b: bool = False) -> str:
     match r.status:
         case "error":
             note = f"ERROR {_short(r.error or '', 160)}"
@@ -113,7 +118,10 @@ def _md_row(r: Row) -> str:
     if r.check_err is not None:
         check += f" {r.check_err:.1e}"
     cells = [r.impl, r.mode, _t(r.T), _num(r.median_ms, 3), _num(r.first_call_ms, 1), _num(r.tflops, 1),
-             _num(r.peak_mem_mib, 0), _num(r.speedup, 2, "x"), check, note.replace("|", "/")]
+             _num(r.peak_mem_mib, 0), _num(r.speedup, 2, "x")]
+    if b2b:
+        cells += [_num(r.extra.get(BACK_TO_BACK), 3), _num(r.extra.get("speedup_back_to_back"), 2, "x")]
+    cells += [check, note.replace("|", "/")]
     return "| " + " | ".join(cells) + " |"
 
 
