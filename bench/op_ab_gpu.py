@@ -26,7 +26,7 @@ from bench.common import header, row_recorder
 from bench.selected_kernels_gpu import kernel_ms
 from nsa_flex.attention import nsa_attention
 from nsa_flex.bench.attention import attention_config
-from nsa_flex.bench.core import time_calls
+from nsa_flex.bench.core import time_back_to_back, time_calls
 from nsa_flex.bench.impls import Problem, nsa_inputs
 
 MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels"}
@@ -85,13 +85,7 @@ def time_variants(steps: dict, x: dict, reps: int, calls: int) -> dict[str, dict
             timing = time_calls(step, device="cuda", warmup=1, iters=calls)
             synced[name] += timing.times_ms
             peak[name] = timing.peak_mem_mib
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                step()
-            end.record()
-            end.synchronize()
-            b2b[name].append(start.elapsed_time(end) / calls)
+            b2b[name].append(time_back_to_back(step, device="cuda", iters=calls))
             for t in x.values():
                 t.grad = None
     return {n: {"synced_median_ms": statistics.median(synced[n]), "synced_min_ms": min(synced[n]),
