@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
+from nsa_flex.folded import FoldedRows
 from nsa_flex.validate import check_compiled, check_inputs
 
 IMPLS = ("auto", "reference", "flex")
@@ -270,12 +271,11 @@ class NSAAttention(nn.Module):
         o_cmp, o_sel, o_win, sel = compiled_path.run(
             flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
             cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
-        combine = flex.combine_for(q)
 
-        def output(x_btc, o_cmp, o_sel, o_win):
-            o = combine(o_cmp, o_sel, o_win, self.gate(x_btc), T)
+        def output(x_btc, cmp_rows, o_sel, o_win):
+            o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, self.gate(x_btc))
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
 
         if torch.is_grad_enabled():
-            return checkpoint(output, x_btc, o_cmp, o_sel, o_win, use_reentrant=False), sel
-        return output(x_btc, o_cmp, o_sel, o_win), sel
+            return checkpoint(output, x_btc, o_cmp.x, o_sel, o_win, use_reentrant=False), sel
+        return output(x_btc, o_cmp.x, o_sel, o_win), sel

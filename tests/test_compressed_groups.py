@@ -29,7 +29,8 @@ def test_grouped_call_equals_the_compressed_branch(T, G, Hkv, B, l, d):
     x = random_inputs(cfg, T, B=B, seed=5)
     q, kc, vc = (x[n].clone().requires_grad_(True) for n in ("q", "k_cmp", "v_cmp"))
     scale = 32 ** -0.5
-    o_fold, lse = compressed_branch(fold(q, Hkv), kc, vc, cfg, scale, FlexTiles(cmp_impl="torch"))
+    rows, lse = compressed_branch(fold(q, Hkv), kc, vc, cfg, scale, FlexTiles(cmp_impl="torch"))
+    o_fold = rows.dense(T * G)
     o_ref, lse_ref = compressed_dense(q, kc, vc, cfg, scale)
     # Folded [B, Hkv, T*G, Dv] -> [B, Hq, T, Dv]
     o = o_fold.view(B, Hkv, T, G, -1).transpose(2, 3).reshape(B, Hkv * G, T, -1)
@@ -54,8 +55,9 @@ def test_grouped_layout_mutation_is_caught():
     scale = 32 ** -0.5
     wrong = cfg.replace(cmp_block=cfg.cmp_block + cfg.cmp_stride)
     with torch.no_grad():
-        o, _ = compressed_grouped(fold(x["q"], 1), x["k_cmp"], x["v_cmp"], cfg, scale, causal_attention_lse)
-        o_bad, _ = compressed_grouped(fold(x["q"], 1), x["k_cmp"], x["v_cmp"], wrong, scale, causal_attention_lse)
+        o = compressed_grouped(fold(x["q"], 1), x["k_cmp"], x["v_cmp"], cfg, scale, causal_attention_lse)[0].dense(800)
+        o_bad = compressed_grouped(fold(x["q"], 1), x["k_cmp"], x["v_cmp"], wrong, scale,
+                                   causal_attention_lse)[0].dense(800)
     assert (o - o_bad).abs().max() > 1e-3
 
 

@@ -639,6 +639,7 @@ def test_chunks_and_initial_split_equal_one_call(T, G, Hkv, B, n_initial):
     with torch.no_grad():
         o_a, lse_a = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, plain)
         o_b, lse_b = compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, chunked)
+        o_a, o_b = o_a.dense(T * G), o_b.dense(T * G)
         s_a = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, plain, forced_initial=True)
         s_b = selected_branch(q_fold, x["k"], x["v"], sel, cfg, scale, chunked, forced_initial=True)
     tol = 1e3 * torch.finfo(torch.float64).eps

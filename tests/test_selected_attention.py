@@ -18,6 +18,7 @@ import torch
 from nsa_flex import reference
 from interpreter import interpreter_mark
 from nsa_flex.config import NSAConfig
+from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.selected_attention import kernels, launch, selected_attention
 from nsa_flex.ops.selected_attention.index import build_index, num_virtual_blocks, work_list
 
@@ -282,12 +283,70 @@ def _op_args(device="cpu", dtype=torch.float32, cu=None):
     q, k, v, _ = make_inputs(1, T, cfg, dtype, seed=1, device=device)
     bi = random_selection(1, 2, T, 4, 16, seed=1, cu_seqlens=cu).to(device=device, dtype=torch.int32)
     cu = None if cu is None else cu.to(device)
-    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bi, cu, 0.2, 16, "auto")
+    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bi, cu, 0.2, 16, "auto", 0)
 
 
 @pytest.mark.parametrize("cu", [None, torch.tensor([0, 30, 31, 90])], ids=["single", "packed"])
-def test_opcheck_cpu(cu):
-    torch.library.opcheck(torch.ops.nsa_flex.selected_attention.default, _op_args(cu=cu))
+@pytest.mark.parametrize("folded", [False, True], ids=["bthd", "folded"])
+def test_opcheck_cpu(cu, folded):
+    args = _op_args(cu=cu)
+    if folded:
+        q = args[0].detach()
+        args = (fold(q, 2, rows=q.shape[1] * 2 + 6).requires_grad_(), *args[1:-1], q.shape[2])
+    torch.library.opcheck(torch.ops.nsa_flex.selected_attention.default, args)
+
+
+def run_folded(q, k, v, do, bi, cfg, impl, pad_rows=0):
+    """run_op with q passed folded (pad_rows zero rows past T*G): (o, dq unfolded, dk, dv, dq's pad rows)."""
+    Hkv, T = cfg.n_kv_heads, q.shape[1]
+    rows = T * cfg.group_size
+    q_fold = fold(q, Hkv, rows=rows + pad_rows).detach().requires_grad_()
+    k, v = (x.detach().clone().requires_grad_() for x in (k, v))
+    o = selected_attention(q_fold, k, v, bi, cfg, impl=impl, folded=True)
+    dq, dk, dv = torch.autograd.grad(o, (q_fold, k, v), do)
+    return o.detach(), unfold(dq[:, :, :rows], T), dk, dv, dq[:, :, rows:]
+
+
+FOLDED_CASES = pytest.mark.parametrize("G, pad_rows", [(2, 0), (3, 9), (4, 64)], ids=["G2", "G3-pad", "G4-pad"])
+
+
+@FOLDED_CASES
+def test_folded_q_equals_bthd_twin(G, pad_rows):
+    _check_folded("torch", G, pad_rows)
+
+
+@interpreter
+@FOLDED_CASES
+def test_folded_q_equals_bthd_kernels_interpreted(G, pad_rows, poisoned):
+    _check_folded("triton", G, pad_rows)
+
+
+@gpu
+def test_folded_q_equals_bthd_cuda():
+    _check_folded("triton", 4, 64, torch.bfloat16, "cuda", D=128)
+
+
+def _check_folded(impl, G, pad_rows, dtype=torch.float32, device="cpu", D=32):
+    """q read in place from a folded buffer (rows past T*G ignored): the same o, dk, dv and, folded
+    back, dq; dq's rows past T*G are zeros (written, not left over: with `poisoned` the kernels'
+    buffers start as NaN)."""
+    cfg = make_config(G, D, D if D > 32 else 24, 4, 16)
+    q, k, v, do = make_inputs(1, 70, cfg, dtype, seed=G, device=device)
+    bi = random_selection(1, cfg.n_kv_heads, 70, 4, 16, seed=G).to(device)
+    want = run_op(q, k, v, do, bi, cfg, impl)
+    *got, pad = run_folded(q, k, v, do, bi, cfg, impl, pad_rows)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    assert torch.equal(pad, torch.zeros_like(pad))
+    check(got, q, k, v, do, bi, cfg)
+
+
+def test_folded_q_bad_rows():
+    cfg = make_config(2, 32, 24, 4, 16)
+    q_fold = torch.randn(1, 2, 2 * 64 - 1, 32)
+    with pytest.raises(ValueError, match="folded q .* expected \\[1, 2, >= 128, Dk\\]"):
+        selected_attention(q_fold, torch.randn(1, 64, 2, 32), torch.randn(1, 64, 2, 24),
+                           torch.zeros(1, 2, 64, 4, dtype=torch.int32), cfg, folded=True)
 
 
 @pytest.mark.parametrize("change, error, message", [

@@ -106,6 +106,7 @@ def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Call
 def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callable, list, str]]:
     """name -> (forward, leaves with gradients, what its floor counts) of each step the op runs."""
     from nsa_flex.flex import branches
+    from nsa_flex.folded import FoldedRows
     from nsa_flex.flex.tuning import FlexTiles
     from nsa_flex.ops import select_blocks
     from nsa_flex.ops.selected_attention import selected_attention
@@ -125,7 +126,7 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     out = {
         "fold q": (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
         "compressed branch": (compile_(lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg,
-                                                                          scale, tiles)[0]),
+                                                                          scale, tiles)[0].x),
                               [q_fold, leaf["k_cmp"], leaf["v_cmp"]], "cmp"),
         "selection op": (lambda: select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale), [], "scores"),
     }
@@ -133,7 +134,7 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
         flex_tiles = FlexTiles(cmp_impl="flex")
         out["compressed branch (flex, not run by the op)"] = (
             compile_(lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg, scale,
-                                                        flex_tiles)[0]),
+                                                        flex_tiles)[0].x),
             [q_fold, leaf["k_cmp"], leaf["v_cmp"]], "cmp")
     if block:
         out["selected branch (block op)"] = (
@@ -145,8 +146,9 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
             [q_fold, leaf["k"], leaf["v"]], "sel")
     out["window branch"] = (compile_(lambda: branches.window_branch(q_fold, leaf["k"], leaf["v"], cfg, scale, tiles)),
                             [q_fold, leaf["k"], leaf["v"]], "win")
-    combine = branches.combine_for(x["q"])
-    out["gated sum"] = (lambda: combine(*o_branches, leaf["gates"], T), [*o_branches, leaf["gates"]], "sum")
+    o_cmp = FoldedRows(o_branches[0], 0)
+    out["gated sum"] = (lambda: branches.gated_sum(o_cmp, *o_branches[1:], leaf["gates"]), [*o_branches, leaf["gates"]],
+                        "sum")
     return out
 
 

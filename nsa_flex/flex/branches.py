@@ -8,8 +8,8 @@ Flex calls use the folded GQA layout, q [B, T, Hq, D] -> [B, Hkv, T*G, D] (row t
 head h*G + g at token t), so none goes through FlexAttention's enable_gqa path: on torch 2.11
 that path gave wrong dK/dV for the window branch in several configurations, while the folded
 selected branch was right in all (docs/records/flex_enable_gqa_tests_h200.txt). Every step is
-traceable, so the whole op compiles with `torch.compile(nsa_flex, fullgraph=True)` and the gated
-sum fuses with the unfolding.
+traceable, so the whole op compiles with `torch.compile(nsa_flex, fullgraph=True)`. The gated sum
+(nsa_flex::gated_sum) reads each branch's output in the layout its call leaves.
 
 On CUDA each branch's flex call is a small function compiled once at module level
 (inside an outer compile Dynamo inlines it). On CPU flex runs eagerly (dense, for
@@ -37,6 +37,8 @@ from nsa_flex.ops import select_blocks
 from nsa_flex.ops.selected_attention import selected_attention
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
+from nsa_flex.folded import FoldedRows, fold, unfold
+from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
 
 
 # One function per Flex call, each compiled once here: separate code objects give each its
@@ -115,13 +117,13 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     o_cmp, o_sel, o_win, block_indices = nsa_flex_branches(
         q, k, v, k_cmp, v_cmp, config, block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win,
         v_win=v_win, tiles=tiles)
-    return combine_for(q)(o_cmp, o_sel, o_win, gates, q.shape[1]), block_indices
+    return gated_sum(o_cmp, o_sel, o_win, gates), block_indices
 
 
 def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
                       k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
-    """The three branch outputs before the gates and the selection: o_cmp and o_win folded
-    [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv].
+    """The three branch outputs before the gates and the selection: o_cmp as FoldedRows (folded
+    rows held from its first complete block on), o_win folded [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv].
 
     nsa_flex without its gated sum: NSAAttention recomputes that sum (and its gates) in the
     backward instead of keeping its output (see NSAAttention.forward). Arguments as nsa_flex.
@@ -151,7 +153,9 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
                                       cu_seqlens_cmp=cu_cmp)
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
-        o_sel = selected_attention(q, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens)
+        # The op reads q in place from the folded copy the other calls keep: one saved copy of q.
+        o_sel = selected_attention(q_fold if q_room is None else q_room, k, v, block_indices, config, scale=scale,
+                                   cu_seqlens=cu_seqlens, folded=True)
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     else:
         keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
@@ -165,43 +169,11 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     return o_cmp, o_sel, o_win, block_indices
 
 
-def combine_for(q: torch.Tensor):
-    """gated_sum, compiled on CUDA (fused) and eager elsewhere."""
-    return _COMPILED_SUM if q.is_cuda else gated_sum
-
-
-def gated_sum(o_cmp, o_sel, o_win, gates, T: int) -> torch.Tensor:
-    """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in at least fp32 (fp64 stays fp64) as [B,T,Hq,Dv];
-    o_cmp and o_win folded, o_sel not (as nsa_flex_branches gives them).
-
-    Compiled on CUDA (one fused kernel each way; eager it costs 18 / 40 ms forward /
-    forward+backward at T=64k on an H200).
-    """
-    acc = torch.promote_types(o_cmp.dtype, torch.float32)
-    g = gates.to(acc)
-    o = g[..., 0:1] * unfold(o_cmp, T).to(acc) + g[..., 1:2] * o_sel.to(acc) \
-        + g[..., 2:3] * unfold(o_win, T).to(acc)
-    return o.to(o_cmp.dtype)
-
-
-_COMPILED_SUM = torch.compile(gated_sum, dynamic=False)
-
-
-def fold(x_bthd: torch.Tensor, Hkv: int, rows: int | None = None) -> torch.Tensor:
-    """[B, T, Hq, D] -> [B, Hkv, T*G, D]: row t*G + g of kv head h is query head h*G + g at token t.
-
-    rows > T*G: that many rows per kv head, zeros past T*G.
-    """
-    B, T, Hq, D = x_bthd.shape
-    out = x_bthd.view(B, T, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(B, Hkv, T * (Hq // Hkv), D)
-    return out if rows is None or rows <= out.shape[2] else torch.nn.functional.pad(out, (0, 0, 0, rows - out.shape[2]))
-
-
-def unfold(x_bhrd: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, Hkv, T*G, D] -> [B, T, Hq, D] (a view when possible; compiled, it fuses into the consumer)."""
-    B, Hkv, rows, D = x_bhrd.shape
-    G = rows // T
-    return x_bhrd.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hkv * G, D)
+def gated_sum(o_cmp: FoldedRows, o_sel, o_win, gates) -> torch.Tensor:
+    """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in fp32 as [B,T,Hq,Dv] in o_sel's dtype, from the
+    branches' layouts as nsa_flex_branches gives them (the op nsa_flex::gated_sum: Triton on CUDA,
+    its torch twin elsewhere)."""
+    return gated_sum_op(o_cmp.x, o_cmp.head, o_sel, o_win, gates)
 
 
 def chunk_heads(x_bhrd: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -238,8 +210,10 @@ def compressed_impl(q_fold, k_cmp, v_cmp, tiles: FlexTiles, docs: Documents | No
 
 
 def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles,
-                      docs: Documents | None = None, q_room=None):
-    """(o [B,Hkv,T*G,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete).
+                      docs: Documents | None = None, q_room=None) -> tuple[FoldedRows, torch.Tensor]:
+    """(o: FoldedRows of [B,Hkv,T*G,Dv], lse [B,Hq,T] float32, natural log, -inf where no block is complete).
+
+    o.dense(T*G) is the branch's folded output; the grouped call leaves its zero rows unstored.
 
     compressed_impl picks the call. The grouped one (cudnn / torch) is plain causal attention over
     token groups (flex.compressed_groups). The Flex one takes the folded rows as up to
@@ -253,7 +227,7 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
     T = rows // G
     if Tc == 0:
         # No complete compression block anywhere (T < l): the branch is exactly 0.
-        return (q_fold.new_zeros(B, Hkv, rows, Dv),
+        return (FoldedRows(q_fold.new_zeros(B, Hkv, rows, Dv), 0),
                 q_fold.new_full((B, Hkv * G, T), float("-inf"), dtype=torch.float32))
     impl = compressed_impl(q_fold, k_cmp, v_cmp, tiles, docs)
     if impl != "flex":
@@ -266,7 +240,7 @@ def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, til
                    repeat_heads(v_cmp.transpose(1, 2), S), mask, scale, "cmp")
     # [B, Hkv*S, rows/S] -> [B, Hkv, T, G] -> [B, Hq, T]
     lse = lse.float().view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hkv * G, T)
-    return o.view(B, Hkv, rows, Dv), lse
+    return FoldedRows(o.view(B, Hkv, rows, Dv), 0), lse
 
 
 class SelectedKeys(NamedTuple):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa_flex.config import NSAConfig
+from nsa_flex.folded import FoldedRows
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 """(q [N, H, L, Dk], k [N, 1, L, Dk], v [N, 1, L, Dv], scale) -> (o [N, H, L, Dv], lse [N, H, L] natural log),
@@ -76,13 +77,17 @@ def grouped_rows(rows: int, config: NSAConfig, Tc: int) -> int:
 
 
 def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, config: NSAConfig,
-                       scale: float, attend: Attend = causal_attention_lse, q_room: torch.Tensor | None = None):
-    """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hq, T] fp32, -inf where no block is complete).
+                       scale: float, attend: Attend = causal_attention_lse,
+                       q_room: torch.Tensor | None = None) -> tuple[FoldedRows, torch.Tensor]:
+    """(o: FoldedRows [B, Hkv, Tc*d*G, Dv] from row (l-1)*G on, in q's dtype; lse [B, Hq, T] fp32, -inf
+    where no block is complete).
 
-    q_fold [B, Hkv, T*G, Dk] (folded, see branches.fold), k_cmp / v_cmp [B, Tc, Hkv, D] with Tc >= 1.
-    q_room: the folded queries with grouped_rows(...) rows (q_fold is its first T*G rows, the rest
-    ignored). The call's queries are then a view of it, so the copy the backward keeps is the one
-    the other branches keep anyway; without it the rows are padded into a new tensor here.
+    q_fold [B, Hkv, T*G, Dk] (folded, see nsa_flex.folded), k_cmp / v_cmp [B, Tc, Hkv, D] with Tc >= 1.
+    o is a view of the call's output: the rows before the first group (zero) are not stored, and
+    the last group's rows past T*G are padding. q_room: the folded queries with grouped_rows(...)
+    rows (q_fold is its first T*G rows, the rest ignored). The call's queries are then a view of
+    it, so the copy the backward keeps is the one the other branches keep anyway; without it the
+    rows are padded into a new tensor here.
     """
     B, Hkv, rows, Dk = q_fold.shape
     Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
@@ -101,10 +106,9 @@ def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
     k4 = k_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dk)
     v4 = v_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dv)
     o4, lse4 = attend(q4, k4, v4, scale)
-    o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)[:, :, :rows - head]
-    # Zero rows in front as a pad, which a compiled consumer reads through (no copy of o).
-    o = F.pad(o, (0, 0, head, 0))
+    # cuDNN lays its output out like q4 (a group's rows innermost): then this is a view.
+    o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)
     # lse4 [B*Hkv, d*G, Tc], head j*G + g of group I -> lse [B, Hkv*G, T] at token l - 1 + I*d + j.
     lse = lse4.view(B, Hkv, d, G, Tc).permute(0, 1, 3, 4, 2).reshape(B, Hkv * G, Tc * d)[..., :T - head // G]
     lse = torch.cat([lse.new_full((B, Hkv * G, head // G), float("-inf")), lse.float()], dim=-1)
-    return o, lse
+    return FoldedRows(o, head), lse

@@ -180,11 +180,10 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     compress = a * Hkv * (n.head_dim + n.dv) * (1 + (2 + chunks) / n.cmp_stride)
     outs = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
     recomputed = 0 if flex else a * Ao + 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
-    # The block-centric op keeps its lse for its backward, and its output, which is also o_sel (one of
-    # `outs`), yet measured peaks sit one [T, Hq, Dv] above the itemised tensors: without it the
-    # estimate fell below seeds-125m's measured peak at 64k (docs/decisions.md, "Training memory").
-    # The token-centric Flex call keeps its folded output beside the unfolded o_sel.
-    op_saved = a * Ao + 4 * Hq if block else a * Ao if flex else 0
+    # The block-centric op keeps its lse for its backward; its output is o_sel (one of `outs`) and it
+    # reads q from the folded copy (docs/decisions.md, "Training memory"). The token-centric Flex
+    # call keeps its folded output beside the unfolded o_sel.
+    op_saved = 4 * Hq if block else a * Ao if flex else 0
     return norms + mlp + a * Aq + kv + compress + outs + recomputed + op_saved
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from nsa_flex.config import NSAConfig
+from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.selected_attention import kernels, launch, twin
 from nsa_flex.ops.triton_utils import quiet_without_triton
 
@@ -34,18 +35,24 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, *,
-                       scale: float | None = None, cu_seqlens: Tensor | None = None, impl: str = "auto") -> Tensor:
+                       scale: float | None = None, cu_seqlens: Tensor | None = None, impl: str = "auto",
+                       folded: bool = False) -> Tensor:
     """o [B,T,Hq,Dv] in q's dtype; differentiable in q, k, v.
 
-    q [B,T,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] (one dtype), block_indices [B,Hkv,T,n] int32/int64
+    q [B,T,Hq,Dk], or with folded=True q [B,Hkv,R,Dk] in the folded layout (nsa_flex.folded; R >= T*G
+    rows, those past T*G ignored, Hq = config.n_heads), read in place: the Flex and cuDNN calls keep
+    that copy of q for their backward, so the op keeps no second one. k [B,T,Hkv,Dk], v [B,T,Hkv,Dv]
+    (one dtype), block_indices [B,Hkv,T,n] int32/int64
     (-1 unused; ascending as the selection op gives them, though order does not matter; a block
     listed twice in a row counts once, as in the reference's mask). Blocks are config.sel_block tokens. cu_seqlens [n_docs+1] (B == 1): packed
     documents with document-local block ids. impl: "auto" (Triton on CUDA, else the twin),
     "triton" (the kernels on any device: CPU only under TRITON_INTERPRET=1) or "torch" (the twin).
     """
-    _check_inputs(q, k, v, block_indices, cu_seqlens, impl)
+    q_heads = config.n_heads if folded else 0
+    _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _ = torch.ops.nsa_flex.selected_attention(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl)
+    o, _ = torch.ops.nsa_flex.selected_attention(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl,
+                                                 q_heads)
     return o
 
 
@@ -56,18 +63,28 @@ def _use_triton(q: Tensor, impl: str) -> bool:
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor],
-                  scale: float, sel_block: int, impl: str) -> tuple[Tensor, Tensor]:
+                  scale: float, sel_block: int, impl: str, q_heads: int) -> tuple[Tensor, Tensor]:
     if _use_triton(q, impl):
-        return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block)
-    return twin.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block)
+        return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads)
+    return twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, cu_seqlens, scale, sel_block)
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, block_indices: Tensor,
                    cu_seqlens: Optional[Tensor], scale: float, sel_block: int,
-                   impl: str) -> tuple[Tensor, Tensor, Tensor]:
+                   impl: str, q_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     if _use_triton(q, impl):
-        return launch.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block)
-    return twin.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block)
+        return launch.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads)
+    dq, dk, dv = twin.backward(do, _unfolded(q, k, q_heads), k, v, o, lse, block_indices, cu_seqlens, scale,
+                               sel_block)
+    return (fold(dq, k.shape[2], rows=q.shape[2]) if q_heads else dq), dk, dv
+
+
+def _unfolded(q: Tensor, k: Tensor, q_heads: int) -> Tensor:
+    """q as [B, T, Hq, Dk] (a copy when folded)."""
+    if not q_heads:
+        return q
+    T = k.shape[1]
+    return unfold(q[:, :, :T * (q_heads // k.shape[2])], T)
 
 
 with quiet_without_triton():
@@ -76,39 +93,41 @@ with quiet_without_triton():
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl):
-    B, T, Hq, _ = q.shape
+def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads):
+    B, T = k.shape[:2]
+    Hq = launch.query_heads(q, k, q_heads)
     return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32)
 
 
 @_backward_op.register_fake
-def _backward_fake(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block, impl):
+def _backward_fake(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block, impl, q_heads):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_indices, cu_seqlens, scale, sel_block, impl = inputs
+    q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, block_indices, cu_seqlens)
-    ctx.args = (scale, sel_block, impl)
+    ctx.args = (scale, sel_block, impl, q_heads)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, block_indices, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_backward(do, q, k, v, o, lse, block_indices, cu_seqlens,
                                                                 *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_inputs(q, k, v, block_indices, cu_seqlens, impl) -> None:
+def _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads: int = 0) -> None:
     """Shape, dtype and device checks; every error says what was wrong and what is allowed."""
     if impl not in _IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
-    for name, x, dims in (("q", q, "[B, T, Hq, Dk]"), ("k", k, "[B, T, Hkv, Dk]"), ("v", v, "[B, T, Hkv, Dv]"),
+    q_dims = "[B, Hkv, R >= T*G, Dk] (folded)" if q_heads else "[B, T, Hq, Dk]"
+    for name, x, dims in (("q", q, q_dims), ("k", k, "[B, T, Hkv, Dk]"), ("v", v, "[B, T, Hkv, Dv]"),
                           ("block_indices", block_indices, "[B, Hkv, T, n]")):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -116,13 +135,22 @@ def _check_inputs(q, k, v, block_indices, cu_seqlens, impl) -> None:
             raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; inputs must share one device")
-    B, T, Hq, Dk = q.shape
     Hkv = k.shape[2]
+    if q_heads:
+        B, T = k.shape[:2]
+        Dk = q.shape[3]
+        if Hkv == 0 or q_heads % Hkv != 0:
+            raise ValueError(f"config's {q_heads} query heads must be a multiple of k's {Hkv} kv heads")
+        if q.shape[:2] != (B, Hkv) or q.shape[2] < T * (q_heads // Hkv):
+            raise ValueError(f"folded q {tuple(q.shape)} does not fit k {tuple(k.shape)} and {q_heads} query heads: "
+                             f"expected [{B}, {Hkv}, >= {T * (q_heads // Hkv)}, Dk]")
+    else:
+        B, T, Hq, Dk = q.shape
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(f"q's {Hq} heads must be a multiple of k's {Hkv} kv heads")
     if k.shape[:2] != (B, T) or k.shape[3] != Dk or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}: "
                          f"expected k [{B}, {T}, Hkv, {Dk}] and v [{B}, {T}, Hkv, Dv]")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q's {Hq} heads must be a multiple of k's {Hkv} kv heads")
     if block_indices.shape[:3] != (B, Hkv, T) or block_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_indices must be int32/int64 [B, Hkv, T, n] = [{B}, {Hkv}, {T}, n], got "
                          f"{tuple(block_indices.shape)} {block_indices.dtype}")

@@ -78,10 +78,16 @@ if HAS_TRITON:
         return (e // N).to(tl.int64), e % N, h * G + g, e_ok & (g < G)
 
     @triton.jit
+    def _q_rows(b, t, h, g, s_b, s_t, s_kv, s_g):
+        """Offsets of query rows (token t, query head h * G + g): q unfolded [B, T, Hq, D] has s_kv =
+        G s_g, q folded [B, Hkv, R, D] (row t * G + g) s_t = G s_g."""
+        return b * s_b + t.to(tl.int64) * s_t + h * s_kv + g * s_g
+
+    @triton.jit
     def _fwd_kernel(
         q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
-        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -101,7 +107,7 @@ if HAS_TRITON:
             scale2 = tl.cast(scale * LOG2E, tl.float32)
             for c0 in range(start, end, BT):
                 t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
-                q_md = tl.load(q_ptr + b * sq_b + (T0 + t[:, None]) * sq_t + hq[:, None] * sq_h + dk[None, :],
+                q_md = tl.load(q_ptr + _q_rows(b, T0 + t, h, hq - h * G, sq_b, sq_t, sq_kv, sq_g)[:, None] + dk[None, :],
                                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
                 s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
                 vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
@@ -122,7 +128,7 @@ if HAS_TRITON:
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
-        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
+        sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -150,7 +156,7 @@ if HAS_TRITON:
             dv_acc = tl.zeros([BL, DVP], tl.float32)
             for c0 in range(start, end, BT):
                 t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
-                q_md = tl.load(q_ptr + b * sq_b + (T0 + t[:, None]) * sq_t + hq[:, None] * sq_h + dk[None, :],
+                q_md = tl.load(q_ptr + _q_rows(b, T0 + t, h, hq - h * G, sq_b, sq_t, sq_kv, sq_g)[:, None] + dk[None, :],
                                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
                 do_md = tl.load(do_ptr + b * sdo_b + (T0 + t[:, None]) * sdo_t + hq[:, None] * sdo_h + dv[None, :],
                                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
@@ -229,27 +235,30 @@ if HAS_TRITON:
 
     @triton.jit
     def _slot_kernel(
-        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, T0, Hkv,
+        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, TG, T0, Hkv,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
-        so_b, so_t, so_h, sl_b, sl_h, sl_t,
+        so_b, so_t, so_kv, so_g, sl_b, sl_h, sl_t,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, MERGE: tl.constexpr,
     ):
         """One (b, t, kv head h) of the range: for each of its G query heads, the n slots' partials
         [n, D] -> out [D] in out's dtype at token T0 + t (part, plse, gid: [B, T', ...] of the
-        range; out, lse: whole).
+        range, T' = T; out, lse: whole). out's query head h * G + g lies at h * so_kv + g * so_g
+        (unfolded [B, T, Hq, D] or folded [B, Hkv, R, D] rows).
 
         The slots are walked one by one with the G heads' [G, D] rows in registers, so the sum
         needs no exchange between threads, and the slots' block ids are read once for the G heads.
         MERGE: softmax-weighted by the partial lse (base 2); also writes the global lse (natural
         log, -inf when no slot saw a key). Else a plain sum (dQ). Slots that read nothing
-        (gid -1) were never written and are not loaded.
+        (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
+        t >= T (rows of a folded buffer past the sequence) get zeros.
         """
         LN2: tl.constexpr = 0.6931471805599453
         pid = tl.program_id(0)
         h = pid % Hkv
-        t = ((pid // Hkv) % T).to(tl.int64)
-        b = (pid // Hkv // T).to(tl.int64)
+        t = ((pid // Hkv) % TG).to(tl.int64)
+        b = (pid // Hkv // TG).to(tl.int64)
+        live = t < T
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
         hq = h * G + g
@@ -260,14 +269,14 @@ if HAS_TRITON:
         acc = tl.zeros([GP, DP], tl.float32)
         if MERGE:
             n = tl.arange(0, NP)
-            used = tl.load(gid_row + n, mask=n < N, other=-1) >= 0
+            used = tl.load(gid_row + n, mask=(n < N) & live, other=-1) >= 0
             plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
             plse = tl.load(plse_row[:, None] + n[None, :], mask=g_ok[:, None] & used[None, :], other=float("-inf"))
             m = tl.max(plse, axis=1)
             m = tl.where(m == float("-inf"), 0.0, m)
             den = tl.sum(tl.math.exp2(plse - m[:, None]), axis=1)
             for slot in tl.static_range(N):
-                ok = tl.load(gid_row + slot) >= 0
+                ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
                 w = tl.math.exp2(tl.load(plse_row + slot, mask=g_ok & ok, other=float("-inf")) - m)
                 part = tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
                 acc += part * w[:, None]
@@ -276,10 +285,10 @@ if HAS_TRITON:
             tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse, mask=g_ok)
         else:
             for slot in tl.static_range(N):
-                ok = tl.load(gid_row + slot) >= 0
+                ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
                 acc += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
             out = acc
-        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + hq[:, None] * so_h + d[None, :],
+        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit

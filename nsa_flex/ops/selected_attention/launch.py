@@ -139,13 +139,25 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     return int(index + max(forward, backward))
 
 
-def _tiles(q: Tensor, k: Tensor, v: Tensor, tiles: dict | None) -> dict:
+def _tiles(q: Tensor, k: Tensor, v: Tensor, G: int, tiles: dict | None) -> dict:
     tiles = tiles or {}
     unknown = sorted(set(tiles) - set(TILE_KEYS))
     if unknown:
         raise ValueError(f"unknown selected_attention tile keys {unknown}; allowed: {', '.join(TILE_KEYS)}")
-    G = q.shape[2] // k.shape[2]
-    return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype, q.shape[0] * q.shape[1]), **tiles}
+    return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype, k.shape[0] * k.shape[1]), **tiles}
+
+
+def query_heads(q: Tensor, k: Tensor, q_heads: int) -> int:
+    """Hq: q's third dim when q is [B, T, Hq, Dk] (q_heads 0), else q_heads (q folded [B, Hkv, R, Dk])."""
+    return q_heads or q.shape[2]
+
+
+def _q_strides(q: Tensor, G: int, folded: bool) -> tuple[int, int, int, int]:
+    """(batch, token, kv head, group member) strides of q or dq: [B, T, Hq, D], or folded [B, Hkv, R, D]
+    (row t * G + g of kv head h is query head h * G + g at token t, nsa_flex.folded)."""
+    if folded:
+        return q.stride(0), G * q.stride(2), q.stride(1), q.stride(2)
+    return q.stride(0), q.stride(1), G * q.stride(2), q.stride(2)
 
 
 def _launch(cfg: dict, pass_: str) -> dict:
@@ -154,8 +166,7 @@ def _launch(cfg: dict, pass_: str) -> dict:
             "maxnreg": cfg[f"{pass_}_maxnreg"]}
 
 
-def _constexprs(q: Tensor, k: Tensor, v: Tensor, sel_block: int, n: int, BT: int) -> dict:
-    G = q.shape[2] // k.shape[2]
+def _constexprs(q: Tensor, k: Tensor, v: Tensor, G: int, sel_block: int, n: int, BT: int) -> dict:
     Dk, Dv = q.shape[-1], v.shape[-1]
     return dict(N=n, G=G, GP=next_pow2(G), BT=BT, BL=max(16, next_pow2(sel_block)), DK=Dk, DKP=max(16, next_pow2(Dk)),
                 DV=Dv, DVP=max(16, next_pow2(Dv)), F32_DOT=q.device.type == "cpu", IEEE=q.dtype == torch.float32)
@@ -174,13 +185,16 @@ def _ranges(T: int, R: int):
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
 
 
-def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
-    """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path."""
+def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0):
+    """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path.
+
+    q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads)."""
     q, k, v = _dense(q, k, v)
-    B, T, Hq, _ = q.shape
-    Hkv, n, Dv = k.shape[2], block_indices.shape[-1], v.shape[-1]
-    cfg = _tiles(q, k, v, tiles)
-    consts = _constexprs(q, k, v, sel_block, n, cfg["fwd_BT"])
+    B, T, Hkv = k.shape[:3]
+    Hq = query_heads(q, k, q_heads)
+    G, n, Dv = Hq // Hkv, block_indices.shape[-1], v.shape[-1]
+    cfg = _tiles(q, k, v, G, tiles)
+    consts = _constexprs(q, k, v, G, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -193,26 +207,30 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
         if items.blk.shape[0] > 0:
             launch(kernels._fwd_kernel, (items.blk.shape[0],),
                    q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
-                   index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *q.stride()[:3], *k.stride()[:3],
-                   *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], writes=(po, plse), **consts,
-                   **_launch(cfg, "fwd"))
-        _slot_sum(po, plse, index, o, lse, t0, merge=True)
+                   index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *_q_strides(q, G, q_heads > 0),
+                   *k.stride()[:3], *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], writes=(po, plse),
+                   **consts, **_launch(cfg, "fwd"))
+        _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0)
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None):
-    """(dq, dk, dv) in the inputs' dtypes on the Triton path; lse as forward returns it."""
+def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None,
+             q_heads: int = 0):
+    """(dq, dk, dv) in the inputs' dtypes on the Triton path, dq in q's layout (a folded q's rows past
+    T * G get zeros); lse and q_heads as forward takes and returns them."""
     q, k, v = _dense(q, k, v)
-    B, T, Hq, Dk = q.shape
-    Hkv, n = k.shape[2], block_indices.shape[-1]
-    cfg = _tiles(q, k, v, tiles)
-    consts = _constexprs(q, k, v, sel_block, n, cfg["bwd_BT"])
+    B, T, Hkv = k.shape[:3]
+    Hq, Dk = query_heads(q, k, q_heads), q.shape[-1]
+    G, n = Hq // Hkv, block_indices.shape[-1]
+    folded = q_heads > 0
+    cfg = _tiles(q, k, v, G, tiles)
+    consts = _constexprs(q, k, v, G, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do = do.contiguous()
     # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset).
     delta = _delta(do, o)
     lse = lse.contiguous()
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
@@ -231,9 +249,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         if W > 0:
             launch(kernels._bwd_kernel, (W,),
                    q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
-                   index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *q.stride()[:3], *k.stride()[:3],
-                   *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], writes=(dqp, dkp, dvp),
-                   **consts, **_launch(cfg, "bwd"))
+                   index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *_q_strides(q, G, folded),
+                   *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4],
+                   writes=(dqp, dkp, dvp), **consts, **_launch(cfg, "bwd"))
         if B * Hkv * Nv > 0:
             # One range: no sums; the index's counts and offsets (int32 tensors no other argument
             # aliases) stand in for them, never read or written.
@@ -242,7 +260,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 items.first_item, items.n_items, index.blk_start, index.blk_end, Hkv, Nv, t0, t1,
                 *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"], DV=consts["DV"],
                 DVP=consts["DVP"], SUMS=sums, ADD=i > 0, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
-        _slot_sum(dqp, None, index, dq, None, t0, merge=False)
+        # The last range also zeroes a folded dq's rows past the sequence.
+        pad = q.shape[2] // G - T if folded and t1 == T else 0
+        _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad)
     return dq, dk, dv
 
 
@@ -302,11 +322,14 @@ def _dense(*xs: Tensor) -> tuple[Tensor, ...]:
     return tuple(x.contiguous() for x in xs)
 
 
-def _slot_sum(part, plse, index: SelectionIndex, out, lse, t0: int, merge: bool) -> None:
-    """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward) or summed (dQ)."""
+def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0) -> None:
+    """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
+    given) or summed (dQ, plse None); out_strides as _q_strides gives them. pad: that many tokens
+    after the range get zeros (rows of a folded dQ past the sequence)."""
     B, T, Hq, n, D = part.shape
-    if B * T * Hq == 0:
+    if B * (T + pad) * Hq == 0:
         return
+    merge = plse is not None
     gid = index.gid_bhtn
     Hkv = gid.shape[1]
     G = Hq // Hkv
@@ -317,8 +340,8 @@ def _slot_sum(part, plse, index: SelectionIndex, out, lse, t0: int, merge: bool)
     sp = plse_.stride()[:3] if merge else (0, 0, 0)
     sl = lse_.stride()[:3] if merge else (0, 0, 0)
     GP, DP = next_pow2(G), max(16, next_pow2(D))
-    wrap_triton(kernels._slot_kernel)[(B * T * Hkv,)](
-        part, plse_, gid, out, lse_, T, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
-        *out.stride()[:3], *sl, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
+    wrap_triton(kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
+        part, plse_, gid, out, lse_, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
+        *out_strides, *sl, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
         # ~8 elements (16 bytes of 16-bit partials) per thread and load.
         num_warps=max(1, min(8, GP * DP // 256)))

@@ -1,0 +1,161 @@
+"""NSA's gated sum of its three branch outputs: the op nsa_flex::gated_sum.
+
+o = g_cmp o_cmp + g_sel o_sel + g_win o_win per token and query head, read from the layouts the
+branches leave: the compressed output as folded rows held from a row `head` on (the grouped
+cuDNN call's output, a view; the rows before `head`, tokens before the first complete
+compression block, are zero), the selected output unfolded, the window output folded. Fused
+by Inductor instead, the sum first padded the compressed output into a new [T, Hq, Dv] tensor
+(kept for the backward beside cuDNN's own copy), and its backward wrote the selected branch's
+output gradient once per launch that reads it (docs/decisions.md, "The gated sum as one op").
+
+On CUDA the op runs the Triton kernels (kernels.py); elsewhere, or without Triton, the torch
+twin (twin.py). impl="triton" forces the kernels, e.g. on CPU under Triton's interpreter in tests.
+"""
+
+# No `from __future__ import annotations` here: torch.library reads the ops' annotations.
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from nsa_flex.ops.gated_sum import kernels, twin
+from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton
+
+if HAS_TRITON:
+    from torch.library import wrap_triton
+
+_IMPLS = ("auto", "triton", "torch")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Folded rows per program: with Dv = 128, four [64, 128] fp32 tiles in flight.
+_ROWS = 64
+
+
+def gated_sum(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor, *,
+              impl: str = "auto") -> Tensor:
+    """o [B, T, Hq, Dv] in o_sel's dtype, summed in fp32; differentiable in every tensor.
+
+    cmp_rows [B, Hkv, R, Dv]: the compressed branch's folded rows head .. head + R - 1 (row t*G + g
+    of kv head h is query head h*G + g at token t; rows before head are zero, rows past T*G are
+    ignored), with 0 <= head <= T*G and head + R >= T*G. o_sel [B, T, Hq, Dv] unfolded, o_win
+    [B, Hkv, T*G, Dv] folded, gates [B, T, Hq, 3] (cmp, sel, win, after the sigmoid). impl: "auto"
+    (Triton on CUDA, else the twin), "triton" or "torch".
+    """
+    _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl)
+    return torch.ops.nsa_flex.gated_sum(cmp_rows, head, o_sel, o_win, gates, impl)
+
+
+def _use_triton(x: Tensor, impl: str) -> bool:
+    return impl == "triton" or (impl == "auto" and x.device.type == "cuda" and HAS_TRITON)
+
+
+def _forward_impl(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor, impl: str) -> Tensor:
+    if not _use_triton(o_sel, impl):
+        return twin.forward(cmp_rows, head, o_sel, o_win, gates)
+    cmp_rows, o_sel, o_win, gates = _dense(cmp_rows, o_sel, o_win, gates)
+    B, T, Hq, Dv = o_sel.shape
+    Hkv = o_win.shape[1]
+    out = torch.empty_like(o_sel)
+    if B * T * Hq > 0:
+        wrap_triton(kernels._sum_kernel)[_grid(T * Hq // Hkv, B * Hkv)](
+            cmp_rows, o_sel, o_win, gates, out, T, Hkv, Hq // Hkv, head, cmp_rows.shape[2],
+            *_bhr(cmp_rows), *o_sel.stride()[:3], *_bhr(o_win), *gates.stride()[:3], *out.stride()[:3],
+            ROWS=_ROWS, D=Dv, DP=max(16, next_pow2(Dv)), num_warps=4)
+    return out
+
+
+def _backward_impl(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor,
+                   impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if not _use_triton(o_sel, impl):
+        return twin.backward(do, cmp_rows, head, o_sel, o_win, gates)
+    do, cmp_rows, o_sel, o_win, gates = _dense(do, cmp_rows, o_sel, o_win, gates)
+    B, T, Hq, Dv = o_sel.shape
+    Hkv = o_win.shape[1]
+    d_cmp, d_sel, d_win, d_gates = (torch.empty_like(x) for x in (cmp_rows, o_sel, o_win, gates))
+    # The grid reaches the compressed buffer's last row, which may lie past the sequence's.
+    rows = max(T * Hq // Hkv, head + cmp_rows.shape[2])
+    if B * T * Hq > 0:
+        wrap_triton(kernels._sum_bwd_kernel)[_grid(rows, B * Hkv)](
+            do, cmp_rows, o_sel, o_win, gates, d_cmp, d_sel, d_win, d_gates, T, Hkv, Hq // Hkv, head,
+            cmp_rows.shape[2], *do.stride()[:3], *_bhr(cmp_rows), *o_sel.stride()[:3], *_bhr(o_win),
+            *gates.stride()[:3], *d_gates.stride()[:3], ROWS=_ROWS, D=Dv, DP=max(16, next_pow2(Dv)), num_warps=4)
+    return d_cmp, d_sel, d_win, d_gates
+
+
+def _grid(rows: int, bh: int) -> tuple[int, int]:
+    return (-(-rows // _ROWS), bh)
+
+
+def _bhr(x: Tensor) -> tuple[int, int, int]:
+    """Strides of a folded [B, Hkv, rows, D] tensor's batch, head and row."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _dense(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Contiguous tensors: the kernels get strides as numbers fixed when torch.compile traces the op,
+    and Inductor keeps a contiguous input's layout exactly. A no-op for the branches' outputs (the
+    grouped cuDNN call's folded rows are a contiguous view of its output)."""
+    return tuple(x.contiguous() for x in xs)
+
+
+with quiet_without_triton():
+    _forward_op = triton_op("nsa_flex::gated_sum", mutates_args=())(_forward_impl)
+    _backward_op = triton_op("nsa_flex::gated_sum_backward", mutates_args=())(_backward_impl)
+
+
+@_forward_op.register_fake
+def _forward_fake(cmp_rows, head, o_sel, o_win, gates, impl):
+    return torch.empty_like(o_sel, memory_format=torch.contiguous_format)
+
+
+@_backward_op.register_fake
+def _backward_fake(do, cmp_rows, head, o_sel, o_win, gates, impl):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (cmp_rows, o_sel, o_win, gates))
+
+
+def _setup_context(ctx, inputs, output):
+    cmp_rows, head, o_sel, o_win, gates, impl = inputs
+    ctx.save_for_backward(cmp_rows, o_sel, o_win, gates)
+    ctx.args = (head, impl)
+
+
+def _backward(ctx, do):
+    cmp_rows, o_sel, o_win, gates = ctx.saved_tensors
+    head, impl = ctx.args
+    d_cmp, d_sel, d_win, d_gates = torch.ops.nsa_flex.gated_sum_backward(do, cmp_rows, head, o_sel, o_win, gates,
+                                                                          impl)
+    return d_cmp, None, d_sel, d_win, d_gates, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl) -> None:
+    """Shape, dtype and device checks; every error says what was wrong and what is allowed."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
+    for name, x, dims in (("cmp_rows", cmp_rows, "[B, Hkv, R, Dv]"), ("o_sel", o_sel, "[B, T, Hq, Dv]"),
+                          ("o_win", o_win, "[B, Hkv, T*G, Dv]"), ("gates", gates, "[B, T, Hq, 3]")):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
+        if x.device != o_sel.device:
+            raise ValueError(f"{name} is on {x.device} but o_sel is on {o_sel.device}; inputs must share one device")
+    B, T, Hq, Dv = o_sel.shape
+    Hkv = o_win.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0 or o_win.shape != (B, Hkv, T * (Hq // max(1, Hkv)), Dv):
+        raise ValueError(f"o_win {tuple(o_win.shape)} must be [B, Hkv, T*G, Dv] for o_sel {tuple(o_sel.shape)} "
+                         "(Hkv dividing Hq)")
+    rows = o_win.shape[2]
+    if cmp_rows.shape[:2] != (B, Hkv) or cmp_rows.shape[3] != Dv:
+        raise ValueError(f"cmp_rows {tuple(cmp_rows.shape)} must be [{B}, {Hkv}, R, {Dv}]")
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head <= rows \
+            or head + cmp_rows.shape[2] < rows:
+        raise ValueError(f"head={head!r} with {cmp_rows.shape[2]} held rows must satisfy 0 <= head <= T*G = {rows} "
+                         "and head + R >= T*G")
+    if gates.shape != (B, T, Hq, 3):
+        raise ValueError(f"gates {tuple(gates.shape)} must be [{B}, {T}, {Hq}, 3]")
+    allowed = _DTYPES if _use_triton(o_sel, impl) else _DTYPES + (torch.float64,)
+    if o_sel.dtype not in allowed or cmp_rows.dtype != o_sel.dtype or o_win.dtype != o_sel.dtype \
+            or gates.dtype not in allowed:
+        raise TypeError(f"cmp_rows, o_sel, o_win, gates have dtypes {cmp_rows.dtype}, {o_sel.dtype}, {o_win.dtype}, "
+                        f"{gates.dtype}; the outputs must share one of {', '.join(map(str, allowed))}, and gates be one")
