@@ -23,7 +23,7 @@ def unfold(x_bhrd: torch.Tensor, T: int) -> torch.Tensor:
     """[B, Hkv, T*G, D] -> [B, T, Hq, D] (a view when possible; compiled, it fuses into the consumer)."""
     B, Hkv, rows, D = x_bhrd.shape
     G = rows // T
-    return x_bhrd.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hkv * G, D)
+    return x_bhrd.reshape(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hkv * G, D)
 
 
 class FoldedRows(NamedTuple):

@@ -38,6 +38,7 @@ from nsa_flex.ops.selected_attention import selected_attention
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.folded import FoldedRows, fold, unfold
+from nsa_flex.ops.fold import fold as fold_op
 from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
 
 
@@ -141,10 +142,10 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     if k_cmp.shape[1] > 0 and compressed_impl(q, k_cmp, v_cmp, tiles, docs) != "flex":
         # The grouped compressed call reads a few rows past the folded queries: one tensor holds both.
         G = q.shape[2] // Hkv
-        q_room = fold(q, Hkv, rows=compressed_groups.grouped_rows(T * G, config, k_cmp.shape[1]))
+        q_room = fold_op(q, Hkv, rows=compressed_groups.grouped_rows(T * G, config, k_cmp.shape[1]))
         q_fold = q_room[:, :, :T * G]
     else:
-        q_fold = fold(q, Hkv)
+        q_fold = fold_op(q, Hkv)
     o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
