@@ -36,12 +36,13 @@ HBM_GBPS = 3000.0
 # Kernel families of the profile, first match wins (Inductor names Flex templates triton_tem_*,
 # its pointwise / reduction kernels triton_poi_* / triton_red_* / triton_per_*).
 FAMILIES = (
-    ("selected op", r"^_(fwd|bwd|slot|block_sum)_kernel"),
+    ("selected op", r"^_(fwd|bwd|slot|block_sum|delta)_kernel"),
     ("selection op", r"select|_score|_topn"),
     ("flex attention", r"flex_attention|triton_tem"),
     ("sort / scan (index)", r"(?i)sort|radix|scan|cub::"),
     ("cuDNN / GEMM", r"(?i)cudnn|gemm|sm90_|cutlass|nvjet"),
-    ("elementwise / reductions", r"^triton_(poi|red|per)|elementwise|reduce|vectorized"),
+    # The gated sum and the fold (nsa_flex::gated_sum, nsa_flex::fold) replace Inductor's own glue kernels.
+    ("elementwise / reductions", r"^triton_(poi|red|per)|^_(sum|sum_bwd|fold)_kernel|elementwise|reduce|vectorized"),
     ("copies / fills", r"(?i)memcpy|memset|copy|fill"),
 )
 
