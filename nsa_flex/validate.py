@@ -11,6 +11,20 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def check_4d(tensors: dict, anchor: str) -> None:
+    """Each tensors[name] = (x, layout) is a 4-D torch.Tensor on the device of tensors[anchor]'s;
+    an error names the tensor and its expected layout."""
+    for name, (x, dims) in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
+    ref = tensors[anchor][0]
+    for name, (x, _) in tensors.items():
+        if x.device != ref.device:
+            raise ValueError(f"{name} is on {x.device} but {anchor} is on {ref.device}; inputs must share one device")
+
+
 def check_compiled(compiled) -> None:
     """`compiled` of nsa_attention / NSAAttention: a bool (see nsa_flex.flex.compiled)."""
     if not isinstance(compiled, bool):

@@ -108,13 +108,14 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     """name -> (forward, leaves with gradients, what its floor counts) of each step the op runs."""
     from nsa_flex.flex import branches
     from nsa_flex.folded import FoldedRows
+    from nsa_flex.ops.fold import fold
     from nsa_flex.flex.tuning import FlexTiles
     from nsa_flex.ops import select_blocks
     from nsa_flex.ops.selected_attention import selected_attention
 
     tiles, scale, Hkv, T = FlexTiles(), cfg.head_dim ** -0.5, cfg.n_kv_heads, x["q"].shape[1]
     leaf = {n: t.detach().requires_grad_(True) for n, t in x.items()}
-    q_fold = branches.fold(x["q"], Hkv).detach().requires_grad_(True)
+    q_fold = fold(x["q"], Hkv).detach().requires_grad_(True)
     with torch.no_grad():
         _, lse = branches.compressed_branch(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale, tiles)
         sel = select_blocks(x["q"], x["k_cmp"], lse, cfg, scale=scale)
@@ -125,7 +126,7 @@ def steps(cfg: NSAConfig, x: dict[str, torch.Tensor]) -> dict[str, tuple[Callabl
     block = tiles.selected_impl(T, cfg.group_size) == "block"
     compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False)  # noqa: E731
     out = {
-        "fold q": (compile_(lambda: branches.fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
+        "fold q": (compile_(lambda: fold(leaf["q"], Hkv)), [leaf["q"]], "bytes"),
         "compressed branch": (compile_(lambda: branches.compressed_branch(q_fold, leaf["k_cmp"], leaf["v_cmp"], cfg,
                                                                           scale, tiles)[0].x),
                               [q_fold, leaf["k_cmp"], leaf["v_cmp"]], "cmp"),

@@ -37,7 +37,7 @@ from nsa_flex.ops import select_blocks
 from nsa_flex.ops.selected_attention import selected_attention
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
-from nsa_flex.folded import FoldedRows, fold, unfold
+from nsa_flex.folded import FoldedRows, unfold
 from nsa_flex.ops.fold import fold as fold_op
 from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
 

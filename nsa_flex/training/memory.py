@@ -17,8 +17,8 @@ Parts and how exact they are:
 - workspace: where the selected branch is block-centric (the default), the buffers one layer's
   forward or backward holds while it runs: partial outputs (forward) or dQ partials and dK/dV
   partials (backward), n per (token, query head) of one token range, and the inverse index
-  (nsa_flex.ops.selected_attention.launch.workspace_bytes). With it the estimate came out 4-7%
-  above seeds-125m's measured training peaks at 8k-64k (docs/results.md, "Training").
+  (nsa_flex.ops.selected_attention.launch.workspace_bytes). With it the estimate comes out 7-10%
+  above seeds-125m's measured training peaks at 8k-64k (docs/decisions.md, "Training memory").
 - logits: the output layer and the loss (fp32 log-softmax and its gradient when eager; a
   fused compiled loss keeps the low-precision logits and their gradient).
 The total adds every part, as if all gradients were alive at the activation peak; that

@@ -19,6 +19,7 @@ from torch.library import triton_op
 
 from nsa_flex.ops.gated_sum import kernels, twin
 from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton
+from nsa_flex.validate import check_4d
 
 if HAS_TRITON:
     from torch.library import wrap_triton
@@ -132,14 +133,8 @@ def _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl) -> None:
     """Shape, dtype and device checks; every error says what was wrong and what is allowed."""
     if impl not in _IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
-    for name, x, dims in (("cmp_rows", cmp_rows, "[B, Hkv, R, Dv]"), ("o_sel", o_sel, "[B, T, Hq, Dv]"),
-                          ("o_win", o_win, "[B, Hkv, T*G, Dv]"), ("gates", gates, "[B, T, Hq, 3]")):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
-        if x.device != o_sel.device:
-            raise ValueError(f"{name} is on {x.device} but o_sel is on {o_sel.device}; inputs must share one device")
+    check_4d({"cmp_rows": (cmp_rows, "[B, Hkv, R, Dv]"), "o_sel": (o_sel, "[B, T, Hq, Dv]"),
+              "o_win": (o_win, "[B, Hkv, T*G, Dv]"), "gates": (gates, "[B, T, Hq, 3]")}, "o_sel")
     B, T, Hq, Dv = o_sel.shape
     Hkv = o_win.shape[1]
     if Hkv == 0 or Hq % Hkv != 0 or o_win.shape != (B, Hkv, T * (Hq // max(1, Hkv)), Dv):

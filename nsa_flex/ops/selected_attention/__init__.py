@@ -29,6 +29,7 @@ from nsa_flex.config import NSAConfig
 from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.selected_attention import kernels, launch, twin
 from nsa_flex.ops.triton_utils import quiet_without_triton
+from nsa_flex.validate import check_4d
 
 _IMPLS = ("auto", "triton", "torch")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -127,14 +128,8 @@ def _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads: int = 0) ->
     if impl not in _IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
     q_dims = "[B, Hkv, R >= T*G, Dk] (folded)" if q_heads else "[B, T, Hq, Dk]"
-    for name, x, dims in (("q", q, q_dims), ("k", k, "[B, T, Hkv, Dk]"), ("v", v, "[B, T, Hkv, Dv]"),
-                          ("block_indices", block_indices, "[B, Hkv, T, n]")):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; inputs must share one device")
+    check_4d({"q": (q, q_dims), "k": (k, "[B, T, Hkv, Dk]"), "v": (v, "[B, T, Hkv, Dv]"),
+              "block_indices": (block_indices, "[B, Hkv, T, n]")}, "q")
     Hkv = k.shape[2]
     if q_heads:
         B, T = k.shape[:2]
