@@ -59,7 +59,7 @@ def test_kernel_cuda_equals_torch_fold(B, T, Hkv, G, D, extra, dtype):
 
 
 @pytest.mark.parametrize("args, message", [
-    ((torch.randn(2, 3, 4), 2), "must be a \\[B, T, Hq, D\\] tensor"),
+    ((torch.randn(2, 3, 4), 2), "must be a \\[B, T, Hq, D\\] tensor, got shape"),
     ((torch.randn(1, 3, 4, 8), 3), "positive divisor"),
     ((torch.randn(1, 3, 4, 8), 2, 5), "at least T\\*G = 6"),
 ], ids=["dims", "heads", "rows"])

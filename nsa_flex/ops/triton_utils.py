@@ -22,6 +22,13 @@ except ImportError:  # the CPU wheel of torch ships no Triton: ops run their tor
     HAS_TRITON = False
 
 
+def runs_triton(x, impl: str) -> bool:
+    """Whether an op with impl "auto" | "triton" | "torch" runs its Triton kernels on x's device:
+    "triton" always (on CPU only under Triton's interpreter), "auto" on CUDA where Triton is
+    installed, else the op's torch twin."""
+    return impl == "triton" or (impl == "auto" and x.device.type == "cuda" and HAS_TRITON)
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): Triton's block shapes are powers of two."""
     return 1 << max(0, x - 1).bit_length()

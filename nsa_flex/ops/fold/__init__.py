@@ -16,7 +16,7 @@ from torch.library import triton_op
 
 from nsa_flex import folded
 from nsa_flex.ops.fold import kernels
-from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton
+from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton, runs_triton
 
 if HAS_TRITON:
     from torch.library import wrap_triton
@@ -30,8 +30,10 @@ def fold(x: Tensor, Hkv: int, rows: int | None = None, *, impl: str = "auto") ->
     row t*G + g of kv head h is query head h*G + g at token t. Differentiable."""
     if impl not in _IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
-    if not isinstance(x, Tensor) or x.dim() != 4:
-        raise ValueError(f"x must be a [B, T, Hq, D] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor [B, T, Hq, D], got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be a [B, T, Hq, D] tensor, got shape {tuple(x.shape)}")
     B, T, Hq, D = x.shape
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv <= 0 or Hq % Hkv:
         raise ValueError(f"Hkv={Hkv!r} must be a positive divisor of x's {Hq} heads")
@@ -41,12 +43,8 @@ def fold(x: Tensor, Hkv: int, rows: int | None = None, *, impl: str = "auto") ->
     return torch.ops.nsa_flex.fold(x, Hkv, rows, impl)
 
 
-def _use_triton(x: Tensor, impl: str) -> bool:
-    return impl == "triton" or (impl == "auto" and x.device.type == "cuda" and HAS_TRITON)
-
-
 def _fold_impl(x: Tensor, Hkv: int, rows: int, impl: str) -> Tensor:
-    if not _use_triton(x, impl):
+    if not runs_triton(x, impl):
         # A new tensor: the fold is a view of x where G or T is 1, and an op's output may not alias its input.
         return folded.fold(x, Hkv, rows).clone(memory_format=torch.contiguous_format)
     x = x.contiguous()  # strides are fixed when torch.compile traces the launch

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from nsa_flex.ops.gated_sum import kernels, twin
-from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton
+from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton, runs_triton
 from nsa_flex.validate import check_4d
 
 if HAS_TRITON:
@@ -44,12 +44,8 @@ def gated_sum(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: 
     return torch.ops.nsa_flex.gated_sum(cmp_rows, head, o_sel, o_win, gates, impl)
 
 
-def _use_triton(x: Tensor, impl: str) -> bool:
-    return impl == "triton" or (impl == "auto" and x.device.type == "cuda" and HAS_TRITON)
-
-
 def _forward_impl(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor, impl: str) -> Tensor:
-    if not _use_triton(o_sel, impl):
+    if not runs_triton(o_sel, impl):
         return twin.forward(cmp_rows, head, o_sel, o_win, gates)
     cmp_rows, o_sel, o_win, gates = _dense(cmp_rows, o_sel, o_win, gates)
     B, T, Hq, Dv = o_sel.shape
@@ -65,7 +61,7 @@ def _forward_impl(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gat
 
 def _backward_impl(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor,
                    impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if not _use_triton(o_sel, impl):
+    if not runs_triton(o_sel, impl):
         return twin.backward(do, cmp_rows, head, o_sel, o_win, gates)
     do, cmp_rows, o_sel, o_win, gates = _dense(do, cmp_rows, o_sel, o_win, gates)
     B, T, Hq, Dv = o_sel.shape
@@ -149,7 +145,7 @@ def _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl) -> None:
                          "and head + R >= T*G")
     if gates.shape != (B, T, Hq, 3):
         raise ValueError(f"gates {tuple(gates.shape)} must be [{B}, {T}, {Hq}, 3]")
-    allowed = _DTYPES if _use_triton(o_sel, impl) else _DTYPES + (torch.float64,)
+    allowed = _DTYPES if runs_triton(o_sel, impl) else _DTYPES + (torch.float64,)
     if o_sel.dtype not in allowed or cmp_rows.dtype != o_sel.dtype or o_win.dtype != o_sel.dtype \
             or gates.dtype not in allowed:
         raise TypeError(f"cmp_rows, o_sel, o_win, gates have dtypes {cmp_rows.dtype}, {o_sel.dtype}, {o_win.dtype}, "

@@ -27,8 +27,8 @@ from torch.library import triton_op
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import fold, unfold
-from nsa_flex.ops.selected_attention import kernels, launch, twin
-from nsa_flex.ops.triton_utils import quiet_without_triton
+from nsa_flex.ops.selected_attention import launch, twin
+from nsa_flex.ops.triton_utils import quiet_without_triton, runs_triton
 from nsa_flex.validate import check_4d
 
 _IMPLS = ("auto", "triton", "torch")
@@ -57,15 +57,9 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     return o
 
 
-def _use_triton(q: Tensor, impl: str) -> bool:
-    if impl == "triton":
-        return True
-    return impl == "auto" and q.device.type == "cuda" and kernels.HAS_TRITON
-
-
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor],
                   scale: float, sel_block: int, impl: str, q_heads: int) -> tuple[Tensor, Tensor]:
-    if _use_triton(q, impl):
+    if runs_triton(q, impl):
         return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads)
     return twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, cu_seqlens, scale, sel_block)
 
@@ -73,7 +67,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seq
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, block_indices: Tensor,
                    cu_seqlens: Optional[Tensor], scale: float, sel_block: int,
                    impl: str, q_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    if _use_triton(q, impl):
+    if runs_triton(q, impl):
         return launch.backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads)
     dq, dk, dv = twin.backward(do, _unfolded(q, k, q_heads), k, v, o, lse, block_indices, cu_seqlens, scale,
                                sel_block)
@@ -149,7 +143,7 @@ def _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads: int = 0) ->
     if block_indices.shape[:3] != (B, Hkv, T) or block_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_indices must be int32/int64 [B, Hkv, T, n] = [{B}, {Hkv}, {T}, n], got "
                          f"{tuple(block_indices.shape)} {block_indices.dtype}")
-    allowed = _KERNEL_DTYPES if _use_triton(q, impl) else _KERNEL_DTYPES + (torch.float64,)
+    allowed = _KERNEL_DTYPES if runs_triton(q, impl) else _KERNEL_DTYPES + (torch.float64,)
     if q.dtype not in allowed or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; they must match, one of "
                         f"{', '.join(map(str, allowed))}")
