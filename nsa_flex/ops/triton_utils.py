@@ -29,6 +29,13 @@ def runs_triton(x, impl: str) -> bool:
     return impl == "triton" or (impl == "auto" and x.device.type == "cuda" and HAS_TRITON)
 
 
+def dense(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors, contiguous: a kernel gets strides as numbers fixed when torch.compile traces
+    its launch, and Inductor keeps a contiguous input's layout exactly (a strided one only its
+    stride order). A no-op for tensors that are contiguous already."""
+    return tuple(x.contiguous() for x in xs)
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): Triton's block shapes are powers of two."""
     return 1 << max(0, x - 1).bit_length()

@@ -16,7 +16,7 @@ from torch.library import triton_op
 
 from nsa_flex import folded
 from nsa_flex.ops.fold import kernels
-from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton, runs_triton
+from nsa_flex.ops.triton_utils import HAS_TRITON, dense, next_pow2, quiet_without_triton, runs_triton
 
 if HAS_TRITON:
     from torch.library import wrap_triton
@@ -47,7 +47,7 @@ def _fold_impl(x: Tensor, Hkv: int, rows: int, impl: str) -> Tensor:
     if not runs_triton(x, impl):
         # A new tensor: the fold is a view of x where G or T is 1, and an op's output may not alias its input.
         return folded.fold(x, Hkv, rows).clone(memory_format=torch.contiguous_format)
-    x = x.contiguous()  # strides are fixed when torch.compile traces the launch
+    x, = dense(x)
     B, T, Hq, D = x.shape
     out = torch.empty(B, Hkv, rows, D, dtype=x.dtype, device=x.device)
     if B * Hkv * rows * D > 0:

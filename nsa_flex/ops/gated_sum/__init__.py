@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from nsa_flex.ops.gated_sum import kernels, twin
-from nsa_flex.ops.triton_utils import HAS_TRITON, next_pow2, quiet_without_triton, runs_triton
+from nsa_flex.ops.triton_utils import HAS_TRITON, dense, next_pow2, quiet_without_triton, runs_triton
 from nsa_flex.validate import check_4d
 
 if HAS_TRITON:
@@ -47,7 +47,7 @@ def gated_sum(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: 
 def _forward_impl(cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor, impl: str) -> Tensor:
     if not runs_triton(o_sel, impl):
         return twin.forward(cmp_rows, head, o_sel, o_win, gates)
-    cmp_rows, o_sel, o_win, gates = _dense(cmp_rows, o_sel, o_win, gates)
+    cmp_rows, o_sel, o_win, gates = dense(cmp_rows, o_sel, o_win, gates)
     B, T, Hq, Dv = o_sel.shape
     Hkv = o_win.shape[1]
     out = torch.empty_like(o_sel)
@@ -63,7 +63,7 @@ def _backward_impl(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_win
                    impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if not runs_triton(o_sel, impl):
         return twin.backward(do, cmp_rows, head, o_sel, o_win, gates)
-    do, cmp_rows, o_sel, o_win, gates = _dense(do, cmp_rows, o_sel, o_win, gates)
+    do, cmp_rows, o_sel, o_win, gates = dense(do, cmp_rows, o_sel, o_win, gates)
     B, T, Hq, Dv = o_sel.shape
     Hkv = o_win.shape[1]
     d_cmp, d_sel, d_win, d_gates = (torch.empty_like(x) for x in (cmp_rows, o_sel, o_win, gates))
@@ -84,13 +84,6 @@ def _grid(rows: int, bh: int) -> tuple[int, int]:
 def _bhr(x: Tensor) -> tuple[int, int, int]:
     """Strides of a folded [B, Hkv, rows, D] tensor's batch, head and row."""
     return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _dense(*xs: Tensor) -> tuple[Tensor, ...]:
-    """Contiguous tensors: the kernels get strides as numbers fixed when torch.compile traces the op,
-    and Inductor keeps a contiguous input's layout exactly. A no-op for the branches' outputs (the
-    grouped cuDNN call's folded rows are a contiguous view of its output)."""
-    return tuple(x.contiguous() for x in xs)
 
 
 with quiet_without_triton():

@@ -90,7 +90,7 @@ with quiet_without_triton():
 @_forward_op.register_fake
 def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads):
     B, T = k.shape[:2]
-    Hq = launch.query_heads(q, k, q_heads)
+    Hq = launch.query_heads(q, q_heads)
     return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32)
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
-from nsa_flex.ops.triton_utils import next_pow2
+from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
@@ -147,7 +147,7 @@ def _tiles(q: Tensor, k: Tensor, v: Tensor, G: int, tiles: dict | None) -> dict:
     return {**launch_config(G, q.shape[-1], v.shape[-1], q.dtype, k.shape[0] * k.shape[1]), **tiles}
 
 
-def query_heads(q: Tensor, k: Tensor, q_heads: int) -> int:
+def query_heads(q: Tensor, q_heads: int) -> int:
     """Hq: q's third dim when q is [B, T, Hq, Dk] (q_heads 0), else q_heads (q folded [B, Hkv, R, Dk])."""
     return q_heads or q.shape[2]
 
@@ -166,7 +166,7 @@ def _launch(cfg: dict, pass_: str) -> dict:
             "maxnreg": cfg[f"{pass_}_maxnreg"]}
 
 
-def _constexprs(q: Tensor, k: Tensor, v: Tensor, G: int, sel_block: int, n: int, BT: int) -> dict:
+def _constexprs(q: Tensor, v: Tensor, G: int, sel_block: int, n: int, BT: int) -> dict:
     Dk, Dv = q.shape[-1], v.shape[-1]
     return dict(N=n, G=G, GP=next_pow2(G), BT=BT, BL=max(16, next_pow2(sel_block)), DK=Dk, DKP=max(16, next_pow2(Dk)),
                 DV=Dv, DVP=max(16, next_pow2(Dv)), F32_DOT=q.device.type == "cpu", IEEE=q.dtype == torch.float32)
@@ -189,12 +189,12 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path.
 
     q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads)."""
-    q, k, v = _dense(q, k, v)
+    q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
-    Hq = query_heads(q, k, q_heads)
+    Hq = query_heads(q, q_heads)
     G, n, Dv = Hq // Hkv, block_indices.shape[-1], v.shape[-1]
     cfg = _tiles(q, k, v, G, tiles)
-    consts = _constexprs(q, k, v, G, sel_block, n, cfg["fwd_BT"])
+    consts = _constexprs(q, v, G, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -218,13 +218,13 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
              q_heads: int = 0):
     """(dq, dk, dv) in the inputs' dtypes on the Triton path, dq in q's layout (a folded q's rows past
     T * G get zeros); lse and q_heads as forward takes and returns them."""
-    q, k, v = _dense(q, k, v)
+    q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
-    Hq, Dk = query_heads(q, k, q_heads), q.shape[-1]
+    Hq, Dk = query_heads(q, q_heads), q.shape[-1]
     G, n = Hq // Hkv, block_indices.shape[-1]
     folded = q_heads > 0
     cfg = _tiles(q, k, v, G, tiles)
-    consts = _constexprs(q, k, v, G, sel_block, n, cfg["bwd_BT"])
+    consts = _constexprs(q, v, G, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do = do.contiguous()
     # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset).
@@ -268,7 +268,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
 
 def _delta(do: Tensor, o: Tensor) -> Tensor:
     """rowsum(dO * O) in fp32 as [B, Hq, T]: one pass over dO and O, ~64 rows per program."""
-    o = o.contiguous()  # see _dense: the kernel gets strides fixed at trace time
+    o, = dense(o)
     B, T, Hq, D = o.shape
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=o.device)
     HP = next_pow2(Hq)
@@ -313,13 +313,6 @@ def _tracing(x: Tensor) -> bool:
     op's body on fake or functional tensors (where torch.compiler.is_compiling() is False). A
     nested compile there fails, and the outer graph takes the plain functions anyway."""
     return torch.compiler.is_compiling() or type(x) is not Tensor or torch._guards.TracingContext.try_get() is not None
-
-
-def _dense(*xs: Tensor) -> tuple[Tensor, ...]:
-    """Contiguous q, k, v: the kernels get their strides as numbers fixed when torch.compile traces
-    the op, and Inductor keeps a contiguous input's layout exactly (a strided one only its stride
-    order). A no-op for the usual contiguous projections."""
-    return tuple(x.contiguous() for x in xs)
 
 
 def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0) -> None:
