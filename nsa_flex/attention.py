@@ -268,6 +268,11 @@ class NSAAttention(nn.Module):
             # The gates are made inside the region: their shape stands in for the checks.
             gates_shape = q.new_zeros(()).expand(B, T, cfg.n_heads, 3)
             check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, block_indices, cu_seqlens, k_win, v_win)
+        if not torch.is_grad_enabled():
+            # Nothing to recompute: the flex op with its gates, in its order without gradients.
+            o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
+                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+            return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel
         o_cmp, o_sel, o_win, sel = compiled_path.run(
             flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
             cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
@@ -276,6 +281,4 @@ class NSAAttention(nn.Module):
             o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, self.gate(x_btc))
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
 
-        if torch.is_grad_enabled():
-            return checkpoint(output, x_btc, o_cmp.x, o_sel, o_win, use_reentrant=False), sel
-        return output(x_btc, o_cmp.x, o_sel, o_win), sel
+        return checkpoint(output, x_btc, o_cmp.x, o_sel, o_win, use_reentrant=False), sel

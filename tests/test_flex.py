@@ -573,6 +573,25 @@ def test_sel_block_must_suit_the_gpu_kernel():
     assert 64 % opts["fwd_BLOCK_N"] == 0 and 16 % opts["fwd_BLOCK_M"] == 0 and opts["bwd_BLOCK_M1"] == 16
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("branch", ["cmp", "win"])
+def test_branch_tiles_fit_the_block_masks(branch, dtype, head_dim):
+    """Every tile the cmp / win calls set divides the 128 x 128 BlockMask blocks, and the backward's
+    satisfy Triton's N1 % M1 == 0 and M2 % N2 == 0; the window's D <= 64 16-bit backward takes its own."""
+    from nsa_flex.flex.tuning import branch_kernel_options
+
+    opts = branch_kernel_options(branch, head_dim, dtype, q_block=128, kv_block=128)
+    for key in ("fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2"):
+        assert 128 % opts.get(key, 128) == 0, key
+    if "bwd_BLOCK_M1" in opts:
+        assert opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    narrow_window = branch == "win" and head_dim <= 64 and dtype != torch.float32
+    if narrow_window:
+        assert (opts["bwd_BLOCK_M1"], opts["bwd_BLOCK_N1"], opts["bwd_num_warps"]) == (32, 64, 4)
+    assert ("bwd_BLOCK_M1" in opts) == (narrow_window or (head_dim > 128 and dtype == torch.float32))
+
+
 def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
     """Process-global and idempotent; restored after the test."""
     import torch._inductor.config as inductor_config

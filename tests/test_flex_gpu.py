@@ -176,6 +176,36 @@ def test_default_compiled_path_against_fp64_oracle(T, B, documents):
     assert_within_tolerance(errors(x, cfg, do, o, grads, sel, **docs))
 
 
+@pytest.mark.parametrize("T,B,documents,dtype", [(1111, 2, False, BF16), (1500, 1, True, BF16), (333, 1, False, FP32)],
+                         ids=["T1111-B2-bf16", "T1500-documents-bf16", "T333-fp32-flex-compressed"])
+def test_default_path_without_gradients(T, B, documents, dtype):
+    """nsa_attention under torch.no_grad (the gated sum in the selected op's merge, compiled): the
+    training call's selection, its output within one rounding, and the output against the fp64
+    oracle (the gradients there are the training call's)."""
+    from nsa_flex import nsa_attention
+
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=128, n_selected=16, window=512)
+    x = cuda_inputs(cfg, T, B, dtype, seed=T + 5)
+    cu = torch.tensor([0, 700, T], device="cuda", dtype=torch.int32) if documents else None
+    if documents:
+        Tc = int(compressed_seqlens(cu, cfg)[-1])
+        x["k_cmp"] = x["k_cmp"][:, :Tc].detach().clone().requires_grad_(True)
+        x["v_cmp"] = x["v_cmp"][:, :Tc].detach().clone().requires_grad_(True)
+    do = torch.randn(B, T, 8, 128, device="cuda", dtype=dtype)
+    kwargs = dict(config=cfg, impl="flex", return_indices=True, cu_seqlens=cu)
+    o_train, grads, sel = run(nsa_attention, x, do, **kwargs)
+    with torch.no_grad(), warnings.catch_warnings():
+        # The eager fallback after a compiler failure (nsa_flex.flex.compiled) fails the test.
+        warnings.filterwarnings("error", message=".*runs eagerly from now on")
+        o, sel_no_grad = nsa_attention(**x, **kwargs)
+    assert torch.equal(sel_no_grad, sel)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(o, o_train, rtol=eps, atol=eps * o_train.abs().max().item())
+    docs = {"reference": nsa_reference_varlen, "cu_seqlens": cu,
+            "cu_seqlens_cmp": compressed_seqlens(cu, cfg)} if documents else {}
+    assert_within_tolerance(errors(x, cfg, do, o, grads, sel, **docs))
+
+
 def test_document_masking_equals_separate_documents():
     """Packed documents (cu_seqlens) give what running every document on its own gives."""
     install_flex_tuning()

@@ -3,7 +3,9 @@
 compressed call (with lse: one causal cuDNN call over token groups where it applies, see
 compressed_groups, else a Flex call) -> selection op -> selected branch -> window Flex call -> gated
 sum. The selected branch is the block-centric op nsa_flex::selected_attention or a Flex call
-over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. The
+over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. Without
+gradients the block-centric path runs the gated sum inside the selected op's merge, so the window
+call comes before that op (nsa_flex_no_grad). The
 Flex calls use the folded GQA layout, q [B, T, Hq, D] -> [B, Hkv, T*G, D] (row t*G + g = query
 head h*G + g at token t), so none goes through FlexAttention's enable_gqa path: on torch 2.11
 that path gave wrong dK/dV for the window branch in several configurations, while the folded
@@ -35,6 +37,7 @@ from nsa_flex.flex.masks.documents import Documents, documents
 from nsa_flex.flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
 from nsa_flex.ops.selected_attention import selected_attention
+from nsa_flex.ops.selected_attention import selected_gated_sum
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.folded import FoldedRows, unfold
@@ -113,12 +116,78 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     selection op unless given. cu_seqlens [n_docs+1] (B == 1): packed documents, every
     branch and the selection stay inside a document, block ids are document-local.
     tiles: BlockMask block sizes and layout choices (speed knobs, see FlexTiles).
+
+    Where no input needs a gradient and the selected branch is the block-centric op, the gated sum
+    runs inside that op (nsa_flex_no_grad): the same values, fewer bytes.
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    T, G = q.shape[1], q.shape[2] // k.shape[2]
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
+    if not needs_grad and tiles.selected_impl(T, G) == "block":
+        return nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
+                                cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
     o_cmp, o_sel, o_win, block_indices = nsa_flex_branches(
         q, k, v, k_cmp, v_cmp, config, block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win,
         v_win=v_win, tiles=tiles)
     return gated_sum(o_cmp, o_sel, o_win, gates), block_indices
+
+
+def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
+                     k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
+    """nsa_flex for inputs that need no gradient, with the block-centric selected op: (o, block_indices).
+
+    The gated sum is the selected op's epilogue (nsa_flex::selected_gated_sum): o_sel is merged
+    in registers and summed with the other two branches there, never written and read back. So
+    the window call comes before the selected op, and its output lives while the selected op's
+    partials do (no backward keeps it): +256 MiB of peak at 64k, G=4, for 0.13 ms of kernels
+    (docs/decisions.md, "The forward without gradients").
+    """
+    _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
+    o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
+    k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
+    o_win = window_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs)
+    o = selected_gated_sum(qs.fold if qs.room is None else qs.room, k, v, block_indices, config, o_cmp.x, o_cmp.head,
+                           o_win, gates, scale=qs.scale, cu_seqlens=cu_seqlens, folded=True)
+    return o, block_indices
+
+
+class _Queries(NamedTuple):
+    """The folded queries every call reads, and what the branches share."""
+
+    fold: torch.Tensor  # [B, Hkv, T*G, Dk]
+    room: torch.Tensor | None  # fold plus the rows the grouped compressed call reads past it, or None
+    scale: float
+    docs: Documents | None
+    cu_cmp: torch.Tensor | None
+
+
+def _queries(q, k, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles) -> _Queries:
+    T, Hkv = q.shape[1], k.shape[2]
+    docs = cu_cmp = None
+    if cu_seqlens is not None:
+        cu_cmp = compressed_seqlens(cu_seqlens, config)
+        docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1])
+    q_room = None
+    if k_cmp.shape[1] > 0 and compressed_impl(q, k_cmp, v_cmp, tiles, docs) != "flex":
+        # The grouped compressed call reads a few rows past the folded queries: one tensor holds both.
+        G = q.shape[2] // Hkv
+        q_room = fold_op(q, Hkv, rows=compressed_groups.grouped_rows(T * G, config, k_cmp.shape[1]))
+        q_fold = q_room[:, :, :T * G]
+    else:
+        q_fold = fold_op(q, Hkv)
+    return _Queries(q_fold, q_room, q.shape[-1] ** -0.5, docs, cu_cmp)
+
+
+def _compressed_and_selection(q, qs: _Queries, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles,
+                              block_indices):
+    """(o_cmp: FoldedRows, block_indices): the compressed call, then the selection op unless given."""
+    o_cmp, lse_cmp = compressed_branch(qs.fold, k_cmp, v_cmp, config, qs.scale, tiles, qs.docs, q_room=qs.room)
+    if block_indices is None:
+        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=qs.scale, cu_seqlens=cu_seqlens,
+                                      cu_seqlens_cmp=qs.cu_cmp)
+    return o_cmp, block_indices
 
 
 def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
@@ -133,29 +202,15 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     """
     _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
     T, Hkv = q.shape[1], k.shape[2]
-    scale = q.shape[-1] ** -0.5
-    docs = cu_cmp = None
-    if cu_seqlens is not None:
-        cu_cmp = compressed_seqlens(cu_seqlens, config)
-        docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1])
-    q_fold = q_room = None
-    if k_cmp.shape[1] > 0 and compressed_impl(q, k_cmp, v_cmp, tiles, docs) != "flex":
-        # The grouped compressed call reads a few rows past the folded queries: one tensor holds both.
-        G = q.shape[2] // Hkv
-        q_room = fold_op(q, Hkv, rows=compressed_groups.grouped_rows(T * G, config, k_cmp.shape[1]))
-        q_fold = q_room[:, :, :T * G]
-    else:
-        q_fold = fold_op(q, Hkv)
-    o_cmp, lse_cmp = compressed_branch(q_fold, k_cmp, v_cmp, config, scale, tiles, docs, q_room=q_room)
+    qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
+    q_fold, scale, docs = qs.fold, qs.scale, qs.docs
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
-    if block_indices is None:
-        block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=scale, cu_seqlens=cu_seqlens,
-                                      cu_seqlens_cmp=cu_cmp)
+    o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
         # The op reads q in place from the folded copy the other calls keep: one saved copy of q.
-        o_sel = selected_attention(q_fold if q_room is None else q_room, k, v, block_indices, config, scale=scale,
+        o_sel = selected_attention(q_fold if qs.room is None else qs.room, k, v, block_indices, config, scale=scale,
                                    cu_seqlens=cu_seqlens, folded=True)
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     else:

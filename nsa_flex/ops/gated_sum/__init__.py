@@ -124,11 +124,17 @@ def _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl) -> None:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
     check_4d({"cmp_rows": (cmp_rows, "[B, Hkv, R, Dv]"), "o_sel": (o_sel, "[B, T, Hq, Dv]"),
               "o_win": (o_win, "[B, Hkv, T*G, Dv]"), "gates": (gates, "[B, T, Hq, 3]")}, "o_sel")
-    B, T, Hq, Dv = o_sel.shape
+    check_branch_outputs(cmp_rows, head, o_win, gates, tuple(o_sel.shape), o_sel.dtype, runs_triton(o_sel, impl))
+
+
+def check_branch_outputs(cmp_rows, head, o_win, gates, out_shape: tuple, dtype: torch.dtype, triton: bool) -> None:
+    """The gated sum's inputs other than o_sel fit an output [B, T, Hq, Dv] = out_shape of `dtype`
+    (o_sel's); 4-D tensors on one device already checked. triton: the kernels run (no fp64)."""
+    B, T, Hq, Dv = out_shape
     Hkv = o_win.shape[1]
     if Hkv == 0 or Hq % Hkv != 0 or o_win.shape != (B, Hkv, T * (Hq // max(1, Hkv)), Dv):
-        raise ValueError(f"o_win {tuple(o_win.shape)} must be [B, Hkv, T*G, Dv] for o_sel {tuple(o_sel.shape)} "
-                         "(Hkv dividing Hq)")
+        raise ValueError(f"o_win {tuple(o_win.shape)} must be [B, Hkv, T*G, Dv] for an output [B, T, Hq, Dv] = "
+                         f"{out_shape} (Hkv dividing Hq)")
     rows = o_win.shape[2]
     if cmp_rows.shape[:2] != (B, Hkv) or cmp_rows.shape[3] != Dv:
         raise ValueError(f"cmp_rows {tuple(cmp_rows.shape)} must be [{B}, {Hkv}, R, {Dv}]")
@@ -138,8 +144,7 @@ def _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl) -> None:
                          "and head + R >= T*G")
     if gates.shape != (B, T, Hq, 3):
         raise ValueError(f"gates {tuple(gates.shape)} must be [{B}, {T}, {Hq}, 3]")
-    allowed = _DTYPES if runs_triton(o_sel, impl) else _DTYPES + (torch.float64,)
-    if o_sel.dtype not in allowed or cmp_rows.dtype != o_sel.dtype or o_win.dtype != o_sel.dtype \
-            or gates.dtype not in allowed:
-        raise TypeError(f"cmp_rows, o_sel, o_win, gates have dtypes {cmp_rows.dtype}, {o_sel.dtype}, {o_win.dtype}, "
+    allowed = _DTYPES if triton else _DTYPES + (torch.float64,)
+    if dtype not in allowed or cmp_rows.dtype != dtype or o_win.dtype != dtype or gates.dtype not in allowed:
+        raise TypeError(f"cmp_rows, o_sel, o_win, gates have dtypes {cmp_rows.dtype}, {dtype}, {o_win.dtype}, "
                         f"{gates.dtype}; the outputs must share one of {', '.join(map(str, allowed))}, and gates be one")

@@ -27,6 +27,8 @@ from torch.library import triton_op
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import fold, unfold
+from nsa_flex.ops.gated_sum import check_branch_outputs
+from nsa_flex.ops.gated_sum import twin as gated_sum_twin
 from nsa_flex.ops.selected_attention import launch, twin
 from nsa_flex.ops.triton_utils import quiet_without_triton, runs_triton
 from nsa_flex.validate import check_4d
@@ -57,11 +59,48 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     return o
 
 
+def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
+                       cmp_head: int, o_win: Tensor, gates: Tensor, *, scale: float | None = None,
+                       cu_seqlens: Tensor | None = None, impl: str = "auto", folded: bool = False) -> Tensor:
+    """NSA's output o = g_cmp o_cmp + g_sel o_sel + g_win o_win [B,T,Hq,Dv] in q's dtype, without gradients.
+
+    The selected branch (arguments as selected_attention) with nsa_flex::gated_sum (cmp_rows,
+    cmp_head, o_win, gates as that op takes them) as the epilogue of its slot merge: o_sel is
+    never written to memory and read back. The same values as gated_sum(..., selected_attention(...),
+    ...): o_sel is rounded to q's dtype before the sum, as that op's output is. No backward: call it
+    where no input needs a gradient (inference); training keeps o_sel for the gates' backward.
+    """
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, cmp_rows, o_win, gates)
+                                       if isinstance(x, Tensor)):
+        raise RuntimeError("selected_gated_sum has no backward: call it under torch.no_grad() or "
+                           "torch.inference_mode(), or use selected_attention and gated_sum for gradients")
+    q_heads = config.n_heads if folded else 0
+    _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads)
+    check_4d({"q": (q, "q"), "cmp_rows": (cmp_rows, "[B, Hkv, R, Dv]"), "o_win": (o_win, "[B, Hkv, T*G, Dv]"),
+              "gates": (gates, "[B, T, Hq, 3]")}, "q")
+    B, T = k.shape[:2]
+    out_shape = (B, T, launch.query_heads(q, q_heads), v.shape[-1])
+    check_branch_outputs(cmp_rows, cmp_head, o_win, gates, out_shape, q.dtype, runs_triton(q, impl))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return torch.ops.nsa_flex.selected_gated_sum(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl,
+                                                 q_heads, cmp_rows, cmp_head, o_win, gates)
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor],
                   scale: float, sel_block: int, impl: str, q_heads: int) -> tuple[Tensor, Tensor]:
     if runs_triton(q, impl):
         return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads)
     return twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, cu_seqlens, scale, sel_block)
+
+
+def _gated_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor], scale: float,
+                sel_block: int, impl: str, q_heads: int, cmp_rows: Tensor, cmp_head: int, o_win: Tensor,
+                gates: Tensor) -> Tensor:
+    if runs_triton(q, impl):
+        return launch.forward_gated(q, k, v, block_indices, cu_seqlens, scale, sel_block, cmp_rows, cmp_head, o_win,
+                                    gates, q_heads=q_heads)
+    o_sel, _ = twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, cu_seqlens, scale, sel_block)
+    return gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates)
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, block_indices: Tensor,
@@ -85,6 +124,7 @@ def _unfolded(q: Tensor, k: Tensor, q_heads: int) -> Tensor:
 with quiet_without_triton():
     _forward_op = triton_op("nsa_flex::selected_attention", mutates_args=())(_forward_impl)
     _backward_op = triton_op("nsa_flex::selected_attention_backward", mutates_args=())(_backward_impl)
+    _gated_op = triton_op("nsa_flex::selected_gated_sum", mutates_args=())(_gated_impl)
 
 
 @_forward_op.register_fake
@@ -92,6 +132,12 @@ def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_
     B, T = k.shape[:2]
     Hq = launch.query_heads(q, q_heads)
     return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32)
+
+
+@_gated_op.register_fake
+def _gated_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads, cmp_rows, cmp_head, o_win,
+                gates):
+    return q.new_empty(k.shape[0], k.shape[1], launch.query_heads(q, q_heads), v.shape[-1])
 
 
 @_backward_op.register_fake

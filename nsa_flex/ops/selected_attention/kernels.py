@@ -253,7 +253,6 @@ if HAS_TRITON:
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
         t >= T (rows of a folded buffer past the sequence) get zeros.
         """
-        LN2: tl.constexpr = 0.6931471805599453
         pid = tl.program_id(0)
         h = pid % Hkv
         t = ((pid // Hkv) % TG).to(tl.int64)
@@ -266,30 +265,85 @@ if HAS_TRITON:
         rows = b * sp_b + t * sp_t + hq[:, None] * sp_h + d[None, :]
         row_ok = g_ok[:, None] & (d[None, :] < D)
         gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
-        acc = tl.zeros([GP, DP], tl.float32)
         if MERGE:
-            n = tl.arange(0, NP)
-            used = tl.load(gid_row + n, mask=(n < N) & live, other=-1) >= 0
             plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
-            plse = tl.load(plse_row[:, None] + n[None, :], mask=g_ok[:, None] & used[None, :], other=float("-inf"))
-            m = tl.max(plse, axis=1)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            den = tl.sum(tl.math.exp2(plse - m[:, None]), axis=1)
-            for slot in tl.static_range(N):
-                ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
-                w = tl.math.exp2(tl.load(plse_row + slot, mask=g_ok & ok, other=float("-inf")) - m)
-                part = tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
-                acc += part * w[:, None]
-            out = acc / tl.where(den > 0, den, 1.0)[:, None]
-            lse = tl.where(den > 0, (m + tl.math.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf"))
+            out, lse = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, N, NP, GP, DP)
             tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse, mask=g_ok)
         else:
+            out = tl.zeros([GP, DP], tl.float32)
             for slot in tl.static_range(N):
                 ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
-                acc += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
-            out = acc
+                out += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, N: tl.constexpr, NP: tl.constexpr,
+                GP: tl.constexpr, DP: tl.constexpr):
+        """(o [G', D'] fp32, lse [G'] natural log) of one (b, t, kv head): the n slots' partials
+        softmax-weighted by their partial lse (base 2). lse is -inf and o zero when no slot saw a
+        key. Slots that read nothing (gid -1) were never written and are not loaded."""
+        LN2: tl.constexpr = 0.6931471805599453
+        n = tl.arange(0, NP)
+        used = tl.load(gid_row + n, mask=(n < N) & live, other=-1) >= 0
+        plse = tl.load(plse_row[:, None] + n[None, :], mask=g_ok[:, None] & used[None, :], other=float("-inf"))
+        m = tl.max(plse, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.sum(tl.math.exp2(plse - m[:, None]), axis=1)
+        acc = tl.zeros([GP, DP], tl.float32)
+        for slot in tl.static_range(N):
+            ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
+            w = tl.math.exp2(tl.load(plse_row + slot, mask=g_ok & ok, other=float("-inf")) - m)
+            part = tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
+            acc += part * w[:, None]
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        lse = tl.where(den > 0, (m + tl.math.log2(tl.where(den > 0, den, 1.0))) * LN2, float("-inf"))
+        return out, lse
+
+    @triton.jit
+    def _slot_gated_kernel(
+        part_ptr, plse_ptr, gid_ptr, cmp_ptr, win_ptr, gate_ptr, out_ptr, T, T0, Hkv, HEAD, RC,
+        sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
+        sc_b, sc_h, sc_r, sw_b, sw_h, sw_r, sgt_b, sgt_t, sgt_h, so_b, so_t, so_h,
+        N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+        DP: tl.constexpr,
+    ):
+        """_slot_kernel's merge with the gated sum as its epilogue (no autograd: forward only).
+
+        One (b, t, kv head h) of the range: o_sel of its G query heads merged as _slot_kernel does
+        and rounded to out's dtype, then o = g_cmp o_cmp + g_sel o_sel + g_win o_win in fp32, the
+        same expression as nsa_flex::gated_sum's kernel, into out [B, T, Hq, D] at token T0 + t.
+        o_cmp: folded rows from row HEAD on (RC of them, earlier rows zero), o_win folded
+        [B, Hkv, T*G, D], gates [B, T, Hq, 3]. So o_sel is never written to memory and read back.
+        """
+        pid = tl.program_id(0)
+        h = pid % Hkv
+        t = ((pid // Hkv) % T).to(tl.int64)
+        b = (pid // Hkv // T).to(tl.int64)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        hq = h * G + g
+        g_ok = g < G
+        rows = b * sp_b + t * sp_t + hq[:, None] * sp_h + d[None, :]
+        row_ok = g_ok[:, None] & (d[None, :] < D)
+        gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
+        plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
+        o_sel, _ = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, N, NP, GP, DP)
+        x_sel = o_sel.to(out_ptr.dtype.element_ty).to(tl.float32)
+        r = (T0 + t) * G + g
+        c = r - HEAD
+        c_ok = g_ok & (c >= 0) & (c < RC)
+        gate = gate_ptr + b * sgt_b + (T0 + t) * sgt_t + hq * sgt_h
+        g0 = tl.load(gate, mask=g_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(gate + 1, mask=g_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(gate + 2, mask=g_ok, other=0.0).to(tl.float32)
+        x_cmp = tl.load(cmp_ptr + b * sc_b + h * sc_h + c[:, None] * sc_r + d[None, :],
+                        mask=c_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=row_ok,
+                        other=0.0).to(tl.float32)
+        o = g0[:, None] * x_cmp + g1[:, None] * x_sel + g2[:, None] * x_win
+        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + hq[:, None] * so_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
     def _delta_kernel(

@@ -189,6 +189,42 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path.
 
     q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads)."""
+    B, T, Hkv = k.shape[:3]
+    Hq = query_heads(q, q_heads)
+    G = Hq // Hkv
+    o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads):
+        _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0)
+    return o, lse
+
+
+def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, cmp_rows, head: int, o_win,
+                  gates, tiles=None, q_heads: int = 0):
+    """o = g_cmp o_cmp + g_sel o_sel + g_win o_win [B,T,Hq,Dv] in q's dtype on the Triton path: the
+    forward with nsa_flex::gated_sum as the slot merge's epilogue (shapes as gated_sum takes them)."""
+    cmp_rows, o_win, gates = dense(cmp_rows, o_win, gates)
+    B, T, Hkv = k.shape[:3]
+    Hq = query_heads(q, q_heads)
+    o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads):
+        _, Tr, _, n, D = po.shape
+        if B * Tr * Hq == 0:
+            continue
+        gid = index.gid_bhtn
+        GP = next_pow2(Hq // Hkv)
+        DP = max(16, next_pow2(D))
+        wrap_triton(kernels._slot_gated_kernel)[(B * Tr * Hkv,)](
+            po, plse, gid, cmp_rows, o_win, gates, o, Tr, t0, Hkv, head, cmp_rows.shape[2], *po.stride()[:4],
+            *plse.stride()[:3], *gid.stride()[:3], *cmp_rows.stride()[:3], *o_win.stride()[:3], *gates.stride()[:3],
+            *o.stride()[:3], N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP,
+            num_warps=max(1, min(8, GP * DP // 256)))
+    return o
+
+
+def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles, q_heads: int):
+    """The forward kernel range by range: yields (partial o [B, T', Hq, n, Dv], partial lse [B, T', Hq, n],
+    the range's SelectionIndex, its first token) for the caller's slot merge."""
     q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
@@ -196,8 +232,6 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     cfg = _tiles(q, k, v, G, tiles)
     consts = _constexprs(q, v, G, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
-    o = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for t0, t1 in _ranges(T, R):
         index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
                                        cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
@@ -210,8 +244,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
                    index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *_q_strides(q, G, q_heads > 0),
                    *k.stride()[:3], *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], writes=(po, plse),
                    **consts, **_launch(cfg, "fwd"))
-        _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0)
-    return o, lse
+        yield po, plse, index, t0
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None,
