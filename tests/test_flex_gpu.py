@@ -168,7 +168,7 @@ def test_default_compiled_path_against_fp64_oracle(T, B, documents):
     torch._dynamo.utils.counters.clear()
     with warnings.catch_warnings():
         # The eager fallback after a compiler failure (nsa_flex.flex.compiled) fails the test.
-        warnings.filterwarnings("error", message=".*runs eagerly from now on")
+        warnings.filterwarnings("error", message="(?s).*runs eagerly from now on")
         o, grads, sel = run(nsa_attention, x, do, config=cfg, impl="flex", return_indices=True, cu_seqlens=cu)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the default path did not compile"
     docs = {"reference": nsa_reference_varlen, "cu_seqlens": cu,
@@ -196,7 +196,7 @@ def test_default_path_without_gradients(T, B, documents, dtype):
     o_train, grads, sel = run(nsa_attention, x, do, **kwargs)
     with torch.no_grad(), warnings.catch_warnings():
         # The eager fallback after a compiler failure (nsa_flex.flex.compiled) fails the test.
-        warnings.filterwarnings("error", message=".*runs eagerly from now on")
+        warnings.filterwarnings("error", message="(?s).*runs eagerly from now on")
         o, sel_no_grad = nsa_attention(**x, **kwargs)
     assert torch.equal(sel_no_grad, sel)
     eps = torch.finfo(dtype).eps
