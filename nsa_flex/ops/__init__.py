@@ -1,7 +1,8 @@
 """Custom ops, one folder each: the registration and its torch twin beside the Triton kernels.
 
 - `select/`: nsa_flex::select_blocks, the streaming top-n block selection of a whole sequence.
-- `selected_attention/`: nsa_flex::selected_attention, the selected branch, block-centric.
+- `selected_attention/`: nsa_flex::selected_attention, the selected branch, block-centric; and
+  nsa_flex::selected_gated_sum, its forward with the gated sum as the merge's epilogue (no backward).
 - `gated_sum/`: nsa_flex::gated_sum, the branches' gated sum read from the layouts they leave.
 - `fold/`: nsa_flex::fold, the folded queries as one buffer for every call that reads them.
 - `decode/`: one decode step: the cache update (cache_step, with phi_step for completed blocks)
@@ -18,7 +19,8 @@ from nsa_flex.ops.decode.step_attend import step_attend
 from nsa_flex.ops.fold import fold
 from nsa_flex.ops.gated_sum import gated_sum
 from nsa_flex.ops.select.op import select_blocks, select_blocks_torch
-from nsa_flex.ops.selected_attention import selected_attention
+from nsa_flex.ops.selected_attention import selected_attention, selected_gated_sum
 
 __all__ = ["cache_step", "decode_attend", "decode_attend_torch", "fold", "gated_sum", "phi_step", "select_blocks",
-           "select_blocks_torch", "selected_attention", "step_attend"]
+           "select_blocks_torch", "selected_attention", "selected_gated_sum",
+           "step_attend"]

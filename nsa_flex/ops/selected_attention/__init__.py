@@ -12,6 +12,9 @@ per span, the traffic per (token, block) is the G query rows plus a partial outp
 inputs' dtype (kernels.py); long sequences run in token ranges that bound those partials. The inverse index and the work list (index.py) come from shapes-only sizes,
 so the op traces under torch.compile(fullgraph=True) and CUDA graphs.
 
+nsa_flex::selected_gated_sum is the forward alone with nsa_flex::gated_sum as the slot merge's
+epilogue, for calls without gradients (the flex path's inference order).
+
 On CUDA the op runs the Triton kernels; elsewhere, or without Triton, the torch twin (twin.py).
 The choice is made inside the op body (a register_kernel("cpu") fallback would be skipped
 under torch.compile). impl="triton" forces the kernels, e.g. on CPU tensors under Triton's

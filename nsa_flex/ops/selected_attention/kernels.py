@@ -11,7 +11,8 @@ buffer's dtype) and partial lse (fp32, base 2, -inf when no key is visible); _sl
 merges a token's n partials in fp32. Backward: P = exp(S - lse) from the global lse, dV and dK
 accumulate in registers over the item's chunks and go to an fp32 partial per item, summed per
 block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to a partial per
-(token, slot), summed over the slots in fp32 by _slot_kernel.
+(token, slot), summed over the slots in fp32 by _slot_kernel. _slot_gated_kernel merges like
+_slot_kernel and adds the gated sum of the three branches (forward without gradients).
 
 The launches may cover a token range [T0, T0 + T') of the sequence (launch.py splits long
 sequences so the partial buffers stay bounded): entries and the partial buffers are local to
