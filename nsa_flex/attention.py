@@ -111,19 +111,8 @@ def nsa_attention(
             from nsa_flex.flex import compiled as compiled_path
 
             o, sel = compiled_path.run(flex.nsa_flex, compiled, q, k, v, k_cmp, v_cmp, gates, config,
-                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win,
-                                       docs=_documents(cu_seqlens, config, q, k_cmp))
+                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
     return (o, sel) if return_indices else o
-
-
-def _documents(cu_seqlens, config: NSAConfig, q: torch.Tensor, k_cmp: torch.Tensor):
-    """The flex path's Documents of packed sequences, made before its compiled graph (None for none):
-    see nsa_flex.flex.packed_documents for why."""
-    if cu_seqlens is None:
-        return None
-    from nsa_flex import flex
-
-    return flex.packed_documents(cu_seqlens, config, q.shape[1], k_cmp.shape[1])
 
 
 class Projected(NamedTuple):
@@ -282,12 +271,11 @@ class NSAAttention(nn.Module):
         if not torch.is_grad_enabled():
             # Nothing to recompute: the flex op with its gates, in its order without gradients.
             o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
-                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win,
-                                       docs=_documents(cu_seqlens, cfg, q, k_cmp))
+                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel
         o_cmp, o_sel, o_win, sel = compiled_path.run(
             flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
-            cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, docs=_documents(cu_seqlens, cfg, q, k_cmp))
+            cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
 
         def output(x_btc, cmp_rows, o_sel, o_win):
             o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, self.gate(x_btc))

@@ -564,6 +564,26 @@ def test_documents_block_masks():
     check_block_mask(bm, folded, exact=False)
 
 
+def test_documents_op_against_a_loop():
+    """nsa_flex::documents (opaque to torch.compile, see masks/documents.py): each token's and each
+    compressed token's document and document start, against a plain loop; empty documents in
+    between; opcheck."""
+    cu = torch.tensor([0, 40, 41, 41, 130], dtype=torch.int32)
+    cu_cmp = torch.tensor([0, 2, 2, 2, 8], dtype=torch.int32)
+    docs = documents(cu, cu_cmp, 130, 8)
+
+    def owner(bounds, i):
+        return max(d for d in range(len(bounds) - 1) if bounds[d] <= i < bounds[d + 1])
+
+    b, bc = cu.tolist(), cu_cmp.tolist()
+    q_doc = [owner(b, t) for t in range(130)]
+    c_doc = [owner(bc, c) for c in range(8)]
+    assert docs.q_doc.tolist() == q_doc and docs.c_doc.tolist() == c_doc
+    assert docs.q_start.tolist() == [b[d] for d in q_doc] and docs.c_start.tolist() == [bc[d] for d in c_doc]
+    assert docs.cmp_start_of_q.tolist() == [bc[d] for d in q_doc]
+    torch.library.opcheck(torch.ops.nsa_flex.documents.default, (cu, cu_cmp, 130, 8))
+
+
 def test_sel_block_must_suit_the_gpu_kernel():
     from nsa_flex.flex.tuning import branch_kernel_options
 

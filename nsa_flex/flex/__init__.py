@@ -9,11 +9,11 @@ index lists without a dense [Q, KV] grid, `tuning` holds the tile sizes and
 """
 
 from nsa_flex.flex.branches import (SelectedKeys, compressed_branch, gated_sum, nsa_flex, nsa_flex_branches,
-                                    packed_documents, selected_branch, selected_keys, shape_mask, window_branch,
+                                    selected_branch, selected_keys, shape_mask, window_branch,
                                     with_initial_copies)
 from nsa_flex.folded import FoldedRows, fold, unfold
 from nsa_flex.flex.tuning import FlexTiles
 
 __all__ = ["FlexTiles", "FoldedRows", "SelectedKeys", "compressed_branch", "fold", "gated_sum", "nsa_flex",
-           "nsa_flex_branches", "packed_documents", "selected_branch", "selected_keys", "shape_mask", "unfold", "window_branch",
+           "nsa_flex_branches", "selected_branch", "selected_keys", "shape_mask", "unfold", "window_branch",
            "with_initial_copies"]

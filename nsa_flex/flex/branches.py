@@ -108,16 +108,14 @@ def shape_mask(build, *args, docs: Documents | None = None, **kwargs):
 
 
 def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
-             k_win=None, v_win=None, tiles: FlexTiles = FlexTiles(),
-             docs: Documents | None = None):
+             k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
     """NSA with FlexAttention. Shapes as nsa_attention: q [B,T,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv],
     k_cmp/v_cmp [B,Tc,Hkv,*], gates [B,T,Hq,3] (cmp, sel, win).
 
     Returns (o [B,T,Hq,Dv], block_indices [B,Hkv,T,n]): the selection used, from the
     selection op unless given. cu_seqlens [n_docs+1] (B == 1): packed documents, every
     branch and the selection stay inside a document, block ids are document-local.
-    tiles: BlockMask block sizes and layout choices (speed knobs, see FlexTiles). docs: packed_documents
-    of cu_seqlens, when the caller made them (see there); else they are made here.
+    tiles: BlockMask block sizes and layout choices (speed knobs, see FlexTiles).
 
     Where no input needs a gradient and the selected branch is the block-centric op, the gated sum
     runs inside that op (nsa_flex_no_grad): the same values, fewer bytes.
@@ -128,26 +126,25 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
         t is not None and t.requires_grad for t in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
     if not needs_grad and tiles.selected_impl(T, G) == "block":
         return nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
-                                cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles, docs=docs)
+                                cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
     o_cmp, o_sel, o_win, block_indices = nsa_flex_branches(
         q, k, v, k_cmp, v_cmp, config, block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win,
-        v_win=v_win, tiles=tiles, docs=docs)
+        v_win=v_win, tiles=tiles)
     return gated_sum(o_cmp, o_sel, o_win, gates), block_indices
 
 
 def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
-                     k_win=None, v_win=None, tiles: FlexTiles = FlexTiles(),
-                     docs: Documents | None = None):
+                     k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
     """nsa_flex for inputs that need no gradient, with the block-centric selected op: (o, block_indices).
 
     The gated sum is the selected op's epilogue (nsa_flex::selected_gated_sum): o_sel is merged
     in registers and summed with the other two branches there, never written and read back. So
     the window call comes before the selected op, and its output lives while the selected op's
-    partials do (no backward keeps it): +256 MiB of peak at 64k, G=4, for 0.13 ms of kernels
+    partials do (no backward keeps it): ~270 MiB more forward peak at 64k, G=4, for ~0.2 ms
     (docs/decisions.md, "The forward without gradients").
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
-    qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles, docs)
+    qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     o_win = window_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs)
@@ -166,26 +163,12 @@ class _Queries(NamedTuple):
     cu_cmp: torch.Tensor | None
 
 
-def packed_documents(cu_seqlens: torch.Tensor, config: NSAConfig, T: int, Tc: int) -> Documents:
-    """The Documents of packed sequences (cu_seqlens; T tokens, Tc compressed ones) that the masks read.
-
-    Callers of the compiled path make them outside its graph and pass them in: Inductor (torch
-    2.11) cannot lower a Flex call whose mask_mod reads tensors made inside an inference graph
-    ("convert FlexibleLayout to FixedLayout first"; a training graph keeps them for the backward,
-    which fixes their layout), while tensors passed in are graph inputs.
-    """
-    return documents(cu_seqlens, compressed_seqlens(cu_seqlens, config), T, Tc)
-
-
-def _queries(q, k, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles,
-             docs: Documents | None = None) -> _Queries:
+def _queries(q, k, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles) -> _Queries:
     T, Hkv = q.shape[1], k.shape[2]
-    cu_cmp = None
+    docs = cu_cmp = None
     if cu_seqlens is not None:
         cu_cmp = compressed_seqlens(cu_seqlens, config)
-        docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1]) if docs is None else docs
-    else:
-        docs = None
+        docs = documents(cu_seqlens, cu_cmp, T, k_cmp.shape[1])
     q_room = None
     if k_cmp.shape[1] > 0 and compressed_impl(q, k_cmp, v_cmp, tiles, docs) != "flex":
         # The grouped compressed call reads a few rows past the folded queries: one tensor holds both.
@@ -208,8 +191,7 @@ def _compressed_and_selection(q, qs: _Queries, k_cmp, v_cmp, config: NSAConfig, 
 
 
 def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
-                      k_win=None, v_win=None, tiles: FlexTiles = FlexTiles(),
-                      docs: Documents | None = None):
+                      k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
     """The three branch outputs before the gates and the selection: o_cmp as FoldedRows (folded
     rows held from its first complete block on), o_win folded [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv].
 
@@ -220,7 +202,7 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     """
     _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
     T, Hkv = q.shape[1], k.shape[2]
-    qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles, docs)
+    qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     q_fold, scale, docs = qs.fold, qs.scale, qs.docs
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None

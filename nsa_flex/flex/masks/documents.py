@@ -29,8 +29,29 @@ class Documents:
 
 
 def documents(cu_seqlens: torch.Tensor, cu_seqlens_cmp: torch.Tensor, T: int, Tc: int) -> Documents:
+    """The Documents of cu_seqlens (T tokens) and cu_seqlens_cmp (Tc compressed tokens).
+
+    Made by the op nsa_flex::documents, which torch.compile keeps opaque: its outputs are buffers
+    of a fixed layout. Made by Inductor inside a graph without gradients, the tensors a Flex
+    call's mask_mod reads stopped the lowering (torch 2.11: "convert FlexibleLayout to FixedLayout
+    first"; a training graph keeps them for the backward, which fixes their layout), and the
+    compiled path fell back to eager for packed documents (docs/decisions.md).
+    """
+    return Documents(*torch.ops.nsa_flex.documents(cu_seqlens, cu_seqlens_cmp, T, Tc))
+
+
+@torch.library.custom_op("nsa_flex::documents", mutates_args=())
+def _documents(cu_seqlens: torch.Tensor, cu_seqlens_cmp: torch.Tensor, T: int,
+               Tc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_doc, q_start, c_doc, c_start, cmp_start_of_q), as the Documents fields."""
     cu, cu_c = cu_seqlens.to(torch.int64), cu_seqlens_cmp.to(torch.int64)
     device = cu.device
     q_doc = document_of(cu, torch.arange(T, device=device))
     c_doc = document_of(cu_c, torch.arange(Tc, device=device))
-    return Documents(q_doc=q_doc, q_start=cu[q_doc], c_doc=c_doc, c_start=cu_c[c_doc], cmp_start_of_q=cu_c[q_doc])
+    return q_doc, cu[q_doc], c_doc, cu_c[c_doc], cu_c[q_doc]
+
+
+@_documents.register_fake
+def _documents_fake(cu_seqlens, cu_seqlens_cmp, T, Tc):
+    make = lambda n: cu_seqlens.new_empty(n, dtype=torch.int64)  # noqa: E731
+    return make(T), make(T), make(Tc), make(Tc), make(T)
