@@ -150,6 +150,19 @@ def test_compiled_whole_op_one_frame_no_recompile(Hkv, sel_impl):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def default_path_inputs(T: int, B: int, dtype, documents: bool, seed: int):
+    """(config, inputs, cu_seqlens or None, output gradient) of the default-path tests: Hq=8, Hkv=2,
+    D=128; with documents two packed documents (700 and T - 700 tokens), k_cmp / v_cmp cut to theirs."""
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=128, n_selected=16, window=512)
+    x = cuda_inputs(cfg, T, B, dtype, seed=seed)
+    cu = torch.tensor([0, 700, T], device="cuda", dtype=torch.int32) if documents else None
+    if documents:
+        Tc = int(compressed_seqlens(cu, cfg)[-1])
+        x["k_cmp"] = x["k_cmp"][:, :Tc].detach().clone().requires_grad_(True)
+        x["v_cmp"] = x["v_cmp"][:, :Tc].detach().clone().requires_grad_(True)
+    return cfg, x, cu, torch.randn(B, T, 8, 128, device="cuda", dtype=dtype)
+
+
 @pytest.mark.parametrize("T,B,documents", [(1111, 2, False), (333, 1, False), (1500, 1, True)],
                          ids=["T1111-B2", "T333-second-shape", "T1500-documents"])
 def test_default_compiled_path_against_fp64_oracle(T, B, documents):
@@ -157,14 +170,7 @@ def test_default_compiled_path_against_fp64_oracle(T, B, documents):
     and every gradient against the fp64 oracle, at a new shape each (each compiles its own graph)."""
     from nsa_flex import nsa_attention
 
-    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=128, n_selected=16, window=512)
-    x = cuda_inputs(cfg, T, B, BF16, seed=T)
-    cu = torch.tensor([0, 700, T], device="cuda", dtype=torch.int32) if documents else None
-    if documents:
-        Tc = int(compressed_seqlens(cu, cfg)[-1])
-        x["k_cmp"] = x["k_cmp"][:, :Tc].detach().clone().requires_grad_(True)
-        x["v_cmp"] = x["v_cmp"][:, :Tc].detach().clone().requires_grad_(True)
-    do = torch.randn(B, T, 8, 128, device="cuda", dtype=BF16)
+    cfg, x, cu, do = default_path_inputs(T, B, BF16, documents, seed=T)
     torch._dynamo.utils.counters.clear()
     with warnings.catch_warnings():
         # The eager fallback after a compiler failure (nsa_flex.flex.compiled) fails the test.
@@ -184,14 +190,7 @@ def test_default_path_without_gradients(T, B, documents, dtype):
     oracle (the gradients there are the training call's)."""
     from nsa_flex import nsa_attention
 
-    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=128, n_selected=16, window=512)
-    x = cuda_inputs(cfg, T, B, dtype, seed=T + 5)
-    cu = torch.tensor([0, 700, T], device="cuda", dtype=torch.int32) if documents else None
-    if documents:
-        Tc = int(compressed_seqlens(cu, cfg)[-1])
-        x["k_cmp"] = x["k_cmp"][:, :Tc].detach().clone().requires_grad_(True)
-        x["v_cmp"] = x["v_cmp"][:, :Tc].detach().clone().requires_grad_(True)
-    do = torch.randn(B, T, 8, 128, device="cuda", dtype=dtype)
+    cfg, x, cu, do = default_path_inputs(T, B, dtype, documents, seed=T + 5)
     kwargs = dict(config=cfg, impl="flex", return_indices=True, cu_seqlens=cu)
     o_train, grads, sel = run(nsa_attention, x, do, **kwargs)
     with torch.no_grad(), warnings.catch_warnings():

@@ -254,18 +254,9 @@ if HAS_TRITON:
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
         t >= T (rows of a folded buffer past the sequence) get zeros.
         """
-        pid = tl.program_id(0)
-        h = pid % Hkv
-        t = ((pid // Hkv) % TG).to(tl.int64)
-        b = (pid // Hkv // TG).to(tl.int64)
+        b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
+            gid_ptr, TG, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
         live = t < T
-        g = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        hq = h * G + g
-        g_ok = g < G
-        rows = b * sp_b + t * sp_t + hq[:, None] * sp_h + d[None, :]
-        row_ok = g_ok[:, None] & (d[None, :] < D)
-        gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
         if MERGE:
             plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
             out, lse = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, N, NP, GP, DP)
@@ -277,6 +268,24 @@ if HAS_TRITON:
                 out += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _slot_program(gid_ptr, TG, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G: tl.constexpr, GP: tl.constexpr,
+                      D: tl.constexpr, DP: tl.constexpr):
+        """This slot program's (b, kv head h, token t of TG, head offsets g, d, query heads hq, g ok,
+        partial row offsets [G', D'], their mask, its block-id row): one program per (b, t, h)."""
+        pid = tl.program_id(0)
+        h = pid % Hkv
+        t = ((pid // Hkv) % TG).to(tl.int64)
+        b = (pid // Hkv // TG).to(tl.int64)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        hq = h * G + g
+        g_ok = g < G
+        rows = b * sp_b + t * sp_t + hq[:, None] * sp_h + d[None, :]
+        row_ok = g_ok[:, None] & (d[None, :] < D)
+        gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
+        return b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row
 
     @triton.jit
     def _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, N: tl.constexpr, NP: tl.constexpr,
@@ -317,17 +326,8 @@ if HAS_TRITON:
         o_cmp: folded rows from row HEAD on (RC of them, earlier rows zero), o_win folded
         [B, Hkv, T*G, D], gates [B, T, Hq, 3]. So o_sel is never written to memory and read back.
         """
-        pid = tl.program_id(0)
-        h = pid % Hkv
-        t = ((pid // Hkv) % T).to(tl.int64)
-        b = (pid // Hkv // T).to(tl.int64)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        hq = h * G + g
-        g_ok = g < G
-        rows = b * sp_b + t * sp_t + hq[:, None] * sp_h + d[None, :]
-        row_ok = g_ok[:, None] & (d[None, :] < D)
-        gid_row = gid_ptr + b * sg_b + h * sg_h + t * sg_t
+        b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
+            gid_ptr, T, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
         plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
         o_sel, _ = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, N, NP, GP, DP)
         x_sel = o_sel.to(out_ptr.dtype.element_ty).to(tl.float32)

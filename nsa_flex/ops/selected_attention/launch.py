@@ -217,8 +217,7 @@ def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: i
         wrap_triton(kernels._slot_gated_kernel)[(B * Tr * Hkv,)](
             po, plse, gid, cmp_rows, o_win, gates, o, Tr, t0, Hkv, head, cmp_rows.shape[2], *po.stride()[:4],
             *plse.stride()[:3], *gid.stride()[:3], *cmp_rows.stride()[:3], *o_win.stride()[:3], *gates.stride()[:3],
-            *o.stride()[:3], N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP,
-            num_warps=max(1, min(8, GP * DP // 256)))
+            *o.stride()[:3], N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP, num_warps=_slot_warps(GP, DP))
     return o
 
 
@@ -369,5 +368,10 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
     wrap_triton(kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
         part, plse_, gid, out, lse_, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
         *out_strides, *sl, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
-        # ~8 elements (16 bytes of 16-bit partials) per thread and load.
-        num_warps=max(1, min(8, GP * DP // 256)))
+        num_warps=_slot_warps(GP, DP))
+
+
+def _slot_warps(GP: int, DP: int) -> int:
+    """Warps of a slot kernel program ([G', D'] rows): ~8 elements (16 bytes of 16-bit partials)
+    per thread and load."""
+    return max(1, min(8, GP * DP // 256))
