@@ -29,7 +29,7 @@ def test_cpu_is_refused_with_a_reason():
 
 
 @pytest.mark.parametrize("kernel,expected", [
-    ("_fwd_kernel", "selected op"), ("_slot_kernel", "selected op"), ("_block_sum_kernel", "selected op"),
+    ("_fwd_kernel", "selected op"), ("_slot_kernel", "selected op"), ("_slot_gated_kernel", "selected op"), ("_block_sum_kernel", "selected op"),
     ("_delta_kernel", "selected op"), ("_sum_bwd_kernel", "elementwise / reductions"),
     ("_fold_kernel", "elementwise / reductions"),
     ("_select_kernel", "selection op"), ("triton_tem_fused_flex_attention_backward_12", "flex attention"),

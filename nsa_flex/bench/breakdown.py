@@ -36,7 +36,8 @@ HBM_GBPS = 3000.0
 # Kernel families of the profile, first match wins (Inductor names Flex templates triton_tem_*,
 # its pointwise / reduction kernels triton_poi_* / triton_red_* / triton_per_*).
 FAMILIES = (
-    ("selected op", r"^_(fwd|bwd|slot|block_sum|delta)_kernel"),
+    # Without gradients the selected op's merge also does the gated sum (_slot_gated_kernel).
+    ("selected op", r"^_(fwd|bwd|slot|slot_gated|block_sum|delta)_kernel"),
     ("selection op", r"select|_score|_topn"),
     ("flex attention", r"flex_attention|triton_tem"),
     ("sort / scan (index)", r"(?i)sort|radix|scan|cub::"),
