@@ -150,6 +150,22 @@ def test_compiled_whole_op_one_frame_no_recompile(Hkv, sel_impl):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_whole_op_without_gradients_one_frame():
+    """torch.compile(nsa_flex, fullgraph=True) under torch.no_grad (the gated sum in the selected op's
+    merge, G=4): one graph, the eager call's selection and output."""
+    install_flex_tuning()
+    cfg = NSAConfig(n_heads=16, n_kv_heads=4, head_dim=128, n_selected=16, window=512)
+    x = {name: t.detach() for name, t in cuda_inputs(cfg, 1000, 1, BF16, seed=3).items()}
+    with torch.no_grad():
+        o_eager, sel_eager = nsa_flex(**x, config=cfg)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        o, sel = torch.compile(nsa_flex, fullgraph=True, dynamic=False)(**x, config=cfg)
+    assert torch.equal(sel, sel_eager)
+    torch.testing.assert_close(o, o_eager, atol=2e-2, rtol=2e-2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def default_path_inputs(T: int, B: int, dtype, documents: bool, seed: int):
     """(config, inputs, cu_seqlens or None, output gradient) of the default-path tests: Hq=8, Hkv=2,
     D=128; with documents two packed documents (700 and T - 700 tokens), k_cmp / v_cmp cut to theirs."""
