@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import FoldedRows
-from nsa_flex.validate import check_compiled, check_inputs
+from nsa_flex.validate import check_compiled, check_inputs, needs_grad
 
 IMPLS = ("auto", "reference", "flex")
 """auto: flex on CUDA, reference elsewhere. flex off CUDA runs forward-only (see resolve_impl)."""
@@ -93,9 +93,8 @@ def nsa_attention(
     if not torch.compiler.is_compiling():
         # Value checks read tensors on the host; under torch.compile only shapes are checked.
         check_inputs(q, k, v, k_cmp, v_cmp, gates, config, block_indices, cu_seqlens, k_win, v_win)
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
-    match resolve_impl(impl, q.device, needs_grad, q.dtype):
+    grad = needs_grad(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    match resolve_impl(impl, q.device, grad, q.dtype):
         case "reference":
             from nsa_flex import reference
 
@@ -220,8 +219,7 @@ class NSAAttention(nn.Module):
         block_indices overrides the selection (see nsa_attention).
         """
         cfg = self.config
-        needs_grad = torch.is_grad_enabled() and (x_btc.requires_grad or self.wq.weight.requires_grad)
-        impl = resolve_impl(self.impl, x_btc.device, needs_grad, self.wq.weight.dtype)
+        impl = resolve_impl(self.impl, x_btc.device, needs_grad(x_btc, self.wq.weight), self.wq.weight.dtype)
         if not torch.compiler.is_compiling():
             self.last_impl = impl
         B, T, _ = x_btc.shape

@@ -25,6 +25,12 @@ def check_4d(tensors: dict, anchor: str) -> None:
             raise ValueError(f"{name} is on {x.device} but {anchor} is on {ref.device}; inputs must share one device")
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these inputs: grad mode on and some tensor among them
+    requiring a gradient (None and other values ignored)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def check_compiled(compiled) -> None:
     """`compiled` of nsa_attention / NSAAttention: a bool (see nsa_flex.flex.compiled)."""
     if not isinstance(compiled, bool):

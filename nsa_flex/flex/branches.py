@@ -41,6 +41,7 @@ from nsa_flex.ops.selected_attention import selected_gated_sum
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.folded import FoldedRows, unfold
+from nsa_flex.validate import needs_grad
 from nsa_flex.ops.fold import fold as fold_op
 from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
 
@@ -122,9 +123,7 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     T, G = q.shape[1], q.shape[2] // k.shape[2]
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
-    if not needs_grad and tiles.selected_impl(T, G) == "block":
+    if not needs_grad(q, k, v, k_cmp, v_cmp, gates, k_win, v_win) and tiles.selected_impl(T, G) == "block":
         return nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
                                 cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
     o_cmp, o_sel, o_win, block_indices = nsa_flex_branches(
@@ -148,7 +147,7 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     o_win = window_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs)
-    o = selected_gated_sum(qs.fold if qs.room is None else qs.room, k, v, block_indices, config, o_cmp.x, o_cmp.head,
+    o = selected_gated_sum(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head,
                            o_win, gates, scale=qs.scale, cu_seqlens=cu_seqlens, folded=True)
     return o, block_indices
 
@@ -161,6 +160,11 @@ class _Queries(NamedTuple):
     scale: float
     docs: Documents | None
     cu_cmp: torch.Tensor | None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The folded buffer itself (room when the grouped call made one): the selected op reads q there."""
+        return self.fold if self.room is None else self.room
 
 
 def _queries(q, k, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles) -> _Queries:
@@ -210,7 +214,7 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
         # The op reads q in place from the folded copy the other calls keep: one saved copy of q.
-        o_sel = selected_attention(q_fold if qs.room is None else qs.room, k, v, block_indices, config, scale=scale,
+        o_sel = selected_attention(qs.buffer, k, v, block_indices, config, scale=scale,
                                    cu_seqlens=cu_seqlens, folded=True)
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     else:
@@ -384,7 +388,7 @@ def _check_device(*tensors) -> None:
             raise RuntimeError("nsa_flex on CUDA under torch.compile: call nsa_flex.flex.tuning.install_flex_tuning() "
                                "once before compiling (the selected branch's backward needs it)")
         return
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         raise RuntimeError(
             "impl='flex' has no backward on CPU (FlexAttention has none there); call it under "
             "torch.no_grad(), or use impl='reference' for CPU gradients"

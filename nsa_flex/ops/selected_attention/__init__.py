@@ -34,7 +34,7 @@ from nsa_flex.ops.gated_sum import check_branch_outputs
 from nsa_flex.ops.gated_sum import twin as gated_sum_twin
 from nsa_flex.ops.selected_attention import launch, twin
 from nsa_flex.ops.triton_utils import quiet_without_triton, runs_triton
-from nsa_flex.validate import check_4d
+from nsa_flex.validate import check_4d, needs_grad
 
 _IMPLS = ("auto", "triton", "torch")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,8 +73,7 @@ def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     ...): o_sel is rounded to q's dtype before the sum, as that op's output is. No backward: call it
     where no input needs a gradient (inference); training keeps o_sel for the gates' backward.
     """
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, cmp_rows, o_win, gates)
-                                       if isinstance(x, Tensor)):
+    if needs_grad(q, k, v, cmp_rows, o_win, gates):
         raise RuntimeError("selected_gated_sum has no backward: call it under torch.no_grad() or "
                            "torch.inference_mode(), or use selected_attention and gated_sum for gradients")
     q_heads = config.n_heads if folded else 0
