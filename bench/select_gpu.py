@@ -2,8 +2,8 @@
 
     python -m bench.select_gpu --out runs/bench/select_tiles.json
 
-Shapes: T = 16384 and 65536 with G = 16 (Hq = 64, Hkv = 4), and T = 65536 with G = 4
-(Hq = 16); Dk = 128, bf16, the paper's geometry (NSAConfig()). For each shape and launch
+Shapes: TxHq with Hkv = 4 and Dk = 128 (T = 16384 and 65536 with G = 16, T = 32768 and 65536 with
+G = 4), or TxHqxHkvxDk (65536x12x3x64: seeds-125m's heads); bf16, the paper's geometry otherwise. For each shape and launch
 setting (the tiles of select_blocks_triton over launch_config's; "default" is what the op runs,
 timed first as the reference): the fraction of (kv head, token) rows equal to the default's and
 to the torch twin's, the rows that differ from the twin checked to be near-ties against fp64
@@ -52,6 +52,21 @@ SETTINGS = {
         "LISTS8": {"LISTS": 8, "maxnreg": 0},
         "no rotation": {"ROTATE": 0},
     },
+    (65536, 12, 3, 64): {"default": DEFAULT, "exact queues": EXACT},
+}
+# Wider tiles: BS = 32 selection blocks per tile hold a token's n best in twice the columns, so
+# fewer sorted keys per column lose as few blocks (each key a column keeps costs a max and a min
+# per score). Built for sm_90 without a GPU: at G=4, Dk=128, BS=32 with LISTS=4 and 8 warps takes
+# 125 registers and 84 KB of shared memory (two programs per SM, 16 warps: as many as the default's
+# four 4-warp programs), at seeds-125m's heads 115 and 43 KB; at G=16, 157 (one program per SM).
+WIDE = {
+    "BS32 LISTS4 w8": {"BS": 32, "LISTS": 4, "num_warps": 8, "maxnreg": 0},
+    "BS32 LISTS3 w8": {"BS": 32, "LISTS": 3, "num_warps": 8, "maxnreg": 0},
+    "BS32 LISTS5 w8": {"BS": 32, "LISTS": 5, "num_warps": 8, "maxnreg": 0},
+    "BS32 LISTS4 w8 stages3": {"BS": 32, "LISTS": 4, "num_warps": 8, "num_stages": 3, "maxnreg": 0},
+    "BS32 LISTS4 w4": {"BS": 32, "LISTS": 4, "maxnreg": 0},
+    "BS32 BT8 LISTS4 w4": {"BS": 32, "BT": 8, "LISTS": 4, "maxnreg": 0},
+    "BS64 LISTS3 w8": {"BS": 64, "LISTS": 3, "num_warps": 8, "maxnreg": 0},
 }
 
 
@@ -125,7 +140,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default="65536x16,32768x16,65536x64,16384x64",
-                        help="comma-separated TxHq among " + ", ".join(f"{t}x{h}" for t, h in SETTINGS))
+                        help="comma-separated TxHq or TxHqxHkvxDk among "
+                             + ", ".join("x".join(map(str, k)) for k in SETTINGS))
+    parser.add_argument("--wide", action="store_true", help="also time the wider tiles (WIDE) at every shape")
     args = parser.parse_args()
     config = NSAConfig()
     result = {**header(), "config": dataclasses.asdict(config), "rows": []}
@@ -133,13 +150,17 @@ def main() -> None:
 
     rows = []
     for shape in args.shapes.split(","):
-        T, Hq = (int(x) for x in shape.split("x"))
-        q, k_cmp, lse = make_inputs(T, Hq, 4, 128, torch.bfloat16, config)
+        key = tuple(int(x) for x in shape.split("x"))
+        T, Hq, Hkv, Dk = key if len(key) == 4 else (*key, 4, 128)
+        if key not in SETTINGS:
+            raise SystemExit(f"unknown shape {shape}; allowed: " + ", ".join("x".join(map(str, k)) for k in SETTINGS))
+        config = NSAConfig(n_heads=Hq, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dk)
+        q, k_cmp, lse = make_inputs(T, Hq, Hkv, Dk, torch.bfloat16, config)
         start = time.perf_counter()
         twin = select_blocks_torch(q, k_cmp, lse, config)
         print(f"T={T} Hq={Hq}: twin {time.perf_counter() - start:.1f} s", flush=True)
         default_out = base_ms = None
-        for name, tiles in SETTINGS[(T, Hq)].items():
+        for name, tiles in {**SETTINGS[key], **(WIDE if args.wide else {})}.items():
             row, got = bench_setting(q, k_cmp, lse, config, name, tiles, twin, default_out)
             if name == "default":
                 default_out = got

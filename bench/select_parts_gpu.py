@@ -9,7 +9,7 @@ patched here, nothing in the package changes), each timed at T = 64k and 32k wit
   notopk   scores summed into an accumulator instead of the top n (the fold kept)
   nofold   the exp'd scores summed before the group sum and the fold
   noexp    the raw scores summed (no exp either)
-Lost (--lost-out): with the exact pass's rerun skipped, the share of tokens and of programs whose
+Lost (--lost-out): with the exact walk of programs whose lists lost a block turned off, the share of tokens and of programs whose
 lists (LISTS = 4, 6, 8; rotation on and off) lost one of their n best blocks, against the exact
 queues' selection, at 64k with G = 4 and 16.
 """
@@ -31,15 +31,15 @@ from nsa_flex.ops.select import kernels as select_triton
 _TOPN = "            j = jt * BS + jb\n"
 _LOOP = "        for jt in range(0, n_tiles):\n"
 _TAIL = "        if LISTS:\n            # The n best of the lists"
-_STORE = ("        o_ptrs = out_ptr + b * so_b + h * so_h + tok.to(tl.int64)[:, None] * so_t + jb\n"
-          "        tl.store(o_ptrs, acc.to(tl.int32, bitcast=True), mask=tok_ok[:, None] & (jb < N))\n")
+# The cut walk returns its sums as the keys (the kernel then sorts and stores them: the times count).
+_STORE = "        return acc.to(tl.int32, bitcast=True).to(tl.int64), 0\n"
 _STORE_P = ("        acc = tl.sum(tl.reshape(accp, [BS, RP * NC]), axis=1)\n"
-            "        tl.store(out_ptr + b * so_b + h * so_h + tok0 * so_t + tl.arange(0, BS), acc.to(tl.int32, "
-            "bitcast=True), mask=tl.arange(0, BS) < N)\n")
+            "        return tl.broadcast_to(acc[None, :], [BT, BS]).to(tl.int32, bitcast=True).to(tl.int64), 0\n")
 
 
 def variant_source(kind: str) -> str:
-    """The kernels module's source with the tile loop's body cut from a marker to its end."""
+    """The kernels module's source with the tile loop's body in _walk (the module's last function)
+    cut from a marker to its end."""
     src = Path(select_triton.__file__).read_text()
     if kind == "whole":
         return src
@@ -89,22 +89,17 @@ def lost(out: Path) -> None:
     record = {"header": header(), "rows": []}
     save = json_saver(out, record)
     config = NSAConfig()
-    launch = select_triton.wrap_triton
+    launch = select_triton.launch_kernel
 
-    class NoRerun:
-        """wrap_triton that drops the exact pass's launch (RERUN=True)."""
-
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: None if kw.get("RERUN") else launch(self.kernel)[grid](*a, **kw)
+    def no_redo(kernel, grid, *args, **kwargs):
+        """The launch with the exact walk of programs that lost a block turned off (REDO=False)."""
+        return launch(kernel, grid, *args, **{**kwargs, "REDO": False})
 
     for T, Hq in ((65536, 16), (65536, 64)):
         q, k_cmp, lse = make_inputs(T, Hq, 4, 128, torch.bfloat16, config)
         exact = select_triton.select_blocks_triton(q, k_cmp, lse, None, None, 128 ** -0.5, config, {"LISTS": 0})
         BT = select_triton.launch_config(Hq // 4, 128, config.n_selected)["BT"]
-        select_triton.wrap_triton = NoRerun
+        select_triton.launch_kernel = no_redo
         try:
             for tiles in ({"LISTS": 4}, {"LISTS": 6}, {"LISTS": 8}, {"LISTS": 6, "ROTATE": 0}):
                 got = select_triton.select_blocks_triton(q, k_cmp, lse, None, None, 128 ** -0.5, config, tiles)
@@ -116,7 +111,7 @@ def lost(out: Path) -> None:
                 print(record["rows"][-1], flush=True)
                 save()
         finally:
-            select_triton.wrap_triton = launch
+            select_triton.launch_kernel = launch
 
 
 def main() -> None:

@@ -85,8 +85,8 @@ DEFAULT = {}
 # (BT = 16 for G <= 8, 8 for G = 16; BS = 16, or 32 for n = 32); a larger BT keeps the longer
 # cases quick under the interpreter. A tile of BS selection blocks spans BS * l' tokens: BS = 4
 # or 8 gives several tiles (the C1 carry, tiles every token sees whole) on short inputs;
-# DEPTH = 1 merges at every join (in the exact pass, which reruns the programs whose lists
-# lost a block, and runs alone with LISTS = 0).
+# DEPTH = 1 merges at every join (as in the exact walk of a program whose lists lost a block,
+# and in the queues alone with LISTS = 0).
 CASES = [
     pytest.param(2, 200, 1, 64, 4, "paper", FP32, DEFAULT, id="G1-D64-fp32"),
     pytest.param(1, 2100, 1, 32, 4, "paper", HALF, dict(BT=32), id="G1-T2100-BT32"),
@@ -103,10 +103,10 @@ CASES = [
     pytest.param(1, 420, 16, 64, 4, "paper", FP32, dict(BT=4, BS=4, DEPTH=1, LISTS=0), id="G16-BT4-depth1"),
     pytest.param(2, 420, 4, 128, 5, "paper", HALF, dict(BT=8, BS=8, DEPTH=2, LISTS=0), id="G4-BT8-depth2"),
     # The queues alone (no lists), and one or two keys per list: most programs' lists lose a
-    # block and the exact pass reruns them (without the rerun these selections are wrong).
+    # block and the program walks again with the exact queues (without it these selections are wrong).
     pytest.param(1, 333, 4, 64, 6, "paper", HALF, dict(LISTS=0), id="G4-exact-queues"),
     pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1), id="G4-n16-lists1"),
-    # A register cap: both launches through nsa_flex::capped_launch (the interpreter ignores the cap).
+    # A register cap: the launch through nsa_flex::capped_launch (the interpreter ignores the cap).
     pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1, maxnreg=128), id="G4-n16-lists1-maxnreg128"),
     pytest.param(1, 1500, 4, 128, 16, "paper", HALF, dict(LISTS=6), id="G4-n16-lists6"),
     pytest.param(1, 1100, 2, 32, 16, "paper", FP32, dict(LISTS=2, ROTATE=0), id="G2-n16-lists2-no-rotation"),
@@ -209,7 +209,7 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(BT=32, num_warps=8, maxnreg=128),
                  id="G4-BT32-w8-maxnreg128"),
     pytest.param(1, 5000, 1, 64, 5, "sel32", torch.bfloat16, DEFAULT, id="G1-sel32"),
-    # The lists (the default from 32k tokens on), the exact pass rerunning programs that lost a block.
+    # The lists (the default from 32k tokens on), programs that lost a block walking again exactly.
     pytest.param(*G16, dict(LISTS=6), id="G16-D128-lists6"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6), id="G4-lists6"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=128), id="G4-lists6-maxnreg128"),
@@ -234,11 +234,10 @@ if select_triton.HAS_TRITON:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("maxnreg", [0, 128])
-def test_lists_and_rerun_under_fullgraph_compile(maxnreg):
-    """The two launches of the lists path (lists, then the exact pass over the flagged programs)
-    traced by torch.compile(fullgraph=True): with one key per list most programs rerun, and the
-    compiled selection must still equal the reference up to near-ties. With a register cap the
-    launches run through nsa_flex::capped_launch."""
+def test_lists_and_exact_walk_under_fullgraph_compile(maxnreg):
+    """The lists path traced by torch.compile(fullgraph=True): with one key per list most
+    programs walk again with the exact queues, and the compiled selection must still equal the
+    reference up to near-ties. With a register cap the launch runs through nsa_flex::capped_launch."""
     config = make_config(4, 64, 16)
     q, k_cmp, lse = make_inputs(1, 1500, config, dtype=HALF, seed=5, device=DEVICE)
     compiled = torch.compile(lambda q, k, l: torch.ops.nsa_flex_test.select_lists(q, k, l, maxnreg), fullgraph=True)

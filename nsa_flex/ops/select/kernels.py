@@ -10,9 +10,9 @@ The score tile is transposed, s^T = k_cmp tile . q^T: rows are compression block
 (token, head) pairs, ordered so that a token's heads sit in one thread's registers (the group
 sum is register adds). Tiles that every token sees whole skip the causal mask. The top-n either
 queues candidates per (token, tile column) and merges rarely, or (LISTS, long sequences) keeps
-sorted lists per (token, tile column) with no merge during the walk; programs whose lists lost a
-block are rerun with the queues (see the kernel's docstring). Forced
-blocks score +inf, blocks after the query's own -inf.
+sorted lists per (token, tile column) with no merge during the walk; a program whose lists lost
+a block walks again with the queues (see the kernel's docstring). Forced blocks score +inf,
+blocks after the query's own -inf.
 
 The fold. Compression block i covers stride units [i, i + m), m = l / d; selection block j
 covers units [j R, j R + R). For i = j R + a the overlap with block j is min(a + m, R) - a
@@ -73,22 +73,27 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     the paper's geometry): on the H200, bf16, Dk=128, 2.64 against 2.93 ms with the queues alone
     at T=64k, G=4, 6.00 against 6.47 at G=16, 0.88 against 0.92 at 32k, G=4; at 16k, G=16 (16
     tiles) the queues alone were faster, 0.57 against 0.63 (docs/records/select_lists_h200.json).
-    Random inputs lost a block in 0.3% of the programs (0.02% of the tokens), which the exact
-    pass reruns; 4 keys lost in 32% of them (3.42 ms), 8 in none (2.73 ms, more registers).
+    Random inputs lost a block in 0.3% of the programs (0.02% of the tokens); such a program
+    walks again at once with the exact queues (in the same launch: see _select_kernel); 4 keys
+    lost in 32% of them (3.42 ms), 8 in none (2.73 ms, more registers).
 
-    With the lists at G' = 4 and Dk <= 128 (64 score columns) the kernel takes 155 registers
-    (three programs per SM); capped at 128 it does not spill (four): 2.54 against 2.64 ms at
-    T=64k, G=4. At G=8 a cap of 128 spills (207 registers uncapped), and at G=16 it was slower
-    (6.27 against 6.00 ms); at G <= 2 the kernel needs fewer than 128. Inductor (torch 2.11) drops
-    maxnreg from the kernels it launches, so a capped launch runs through nsa_flex::capped_launch,
-    opaque to it (docs/decisions.md, "The selection kernel").
+    With the lists the kernel holds both walks (the lists', and the queues' of a program that
+    walks again). Built for sm_90 without a GPU: 174 registers uncapped at G' = 4, Dk = 128,
+    161 at Dk = 64, 197 at G' = 16 (two programs per SM); capped at 128 (G' <= 4, Dk <= 128;
+    56 / 20 bytes of spills at G' = 4, Dk = 128 / 64) four programs fit, capped at 168 (G' = 16,
+    Dk <= 128; no spills) three. At G' = 8 and Dk > 128 (shared memory allows two programs per SM
+    at most there, three at G' = 1) there is no cap. G' <= 2 is not timed. One slot per queue in
+    the second walk (fewer registers) was slower: a program that walks again merges at every
+    tile, and the launch waits for it. Times and records: docs/decisions.md, "The selection
+    kernel". Inductor (torch 2.11) drops maxnreg from the kernels it launches, so a capped launch
+    runs through nsa_flex::capped_launch, opaque to it.
     """
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
     BS = max(16, next_pow2(n))
     lists = 6 if blocks >= 32 * BS else 0
     return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
-            "maxnreg": 128 if lists and GP == 4 and Dk <= 128 else 0}
+            "maxnreg": (128 if GP <= 4 else 168 if GP == 16 else 0) if lists and Dk <= 128 else 0}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
@@ -130,31 +135,19 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
         cu, cu_cmp = cu_seqlens.to(torch.int32), cu_seqlens_cmp.to(torch.int32)
         prog_doc, prog_tok = _program_table(cu, BT, n_blocks)
         n_programs = prog_doc.shape[0]
-    # One flag per program: its lists lost a block (LISTS), so the exact pass runs it again.
-    flags = torch.empty(B * Hkv * n_programs, dtype=torch.int32, device=q.device)
-
-    def launch(lists: int, rerun: bool, maxnreg: int) -> None:
-        launch_kernel(
-            _select_kernel, (n_programs, B * Hkv),
-            q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, flags, T, Tc, n_blocks, n_programs, Hkv, scale,
-            *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
-            G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
-            R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
-            SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
-            N_INIT=config.n_initial, N_LOCAL=config.n_local,
-            VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
-            LISTS=lists, ROTATE=bool(tiles["ROTATE"]), RERUN=rerun,
-            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], writes=(out, flags),
-            maxnreg=maxnreg,
-        )
-
-    if tiles["LISTS"]:
-        launch(lists=tiles["LISTS"], rerun=False, maxnreg=tiles["maxnreg"])
-        # The rerun takes the few flagged programs (0.3% on random inputs) and no cap: a capped
-        # launch goes through an opaque op whose host time (~0.1 ms) the call start pays.
-        launch(lists=0, rerun=True, maxnreg=0)
-    else:
-        launch(lists=0, rerun=False, maxnreg=tiles["maxnreg"])
+    launch_kernel(
+        _select_kernel, (n_programs, B * Hkv),
+        q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, T, Tc, n_blocks, Hkv, scale,
+        *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
+        G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
+        R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
+        SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
+        N_INIT=config.n_initial, N_LOCAL=config.n_local,
+        VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
+        LISTS=tiles["LISTS"], ROTATE=bool(tiles["ROTATE"]), REDO=True,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], writes=(out,),
+        maxnreg=tiles["maxnreg"],
+    )
     return _pad_slots(out, config.n_selected)
 
 
@@ -212,15 +205,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_kernel(
-        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, flag_ptr,
-        T, Tc, n_blocks, n_programs, Hkv, scale,
+        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
+        T, Tc, n_blocks, Hkv, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b, so_h, so_t,
         G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, TL: tl.constexpr, DK: tl.constexpr,
         DKP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, CMP_STRIDE: tl.constexpr,
         CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
         N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
         VARLEN: tl.constexpr, IEEE: tl.constexpr, LISTS: tl.constexpr, ROTATE: tl.constexpr,
-        RERUN: tl.constexpr,
+        REDO: tl.constexpr,
     ):
         """Scores transposed, s^T = k_cmp tile . q^T: [BS*R' compression blocks, BT*G' columns].
 
@@ -230,36 +223,20 @@ if HAS_TRITON:
         onto selection blocks then reduces the (G times smaller) group sums. Tiles that every
         token sees whole skip the causal mask.
 
-        The top-n works on int64 keys (score bits << 32 | BIG - block id): scores (importance
-        times 2^32, see below) are >= 0 or +-inf, so the larger key is the larger score, and
-        of equal scores the lower id (the documented tie-break). The best n keys of each token
-        sit in the n first columns of `top`, the n-th best score in `nth`. A score joins a queue
-        of DEPTH slots per (token, tile column) only if it beats the token's n-th best (an equal
-        score never does: the earlier, lower id wins); when some queue is full, and at the end,
-        n passes of max over `top` and the queues rebuild `top`.
-
-        LISTS > 0 instead keeps the LISTS largest keys of each (token, column) in LISTS sorted
-        [BT, BS] tensors (a new key passes down them with a max and a min each; thread-local)
-        and the largest block key a list pushed out; at the end n passes over the first list
-        pick the n best. The program stores its flag: 1 when a pushed-out key beats the n-th
-        best kept, i.e. some column held more than LISTS of a token's n best. RERUN runs only
-        the flagged programs (the others get an empty token range), with the queues.
+        The walk over the tiles and its top-n are `_walk`'s. With LISTS > 0 a program whose
+        lists lost a block walks again at once with the exact queues (REDO; only measurements
+        of how often the lists lose a block turn it off): in the same launch, so the few programs
+        that do so overlap the others' work instead of running alone in a launch of their own.
         """
-        BC: tl.constexpr = BS * RP
-        NC: tl.constexpr = BT * GP
-        TH: tl.constexpr = BT // TL
         BIG: tl.constexpr = 2147483647
         LOG2E: tl.constexpr = 1.4426950408889634
         b, h, tok0, bos, eos, cbos, clen = _program_range(
             cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr, T, Tc, n_blocks, Hkv, BT, VARLEN)
-        flag_at = flag_ptr + tl.program_id(1) * n_programs + tl.program_id(0)
-        if RERUN:
-            # Only programs whose lists lost a block run again: the others get an empty range.
-            eos = tl.where(tl.load(flag_at) != 0, eos, bos)
         # Inductor may hand a float scalar in as fp64; keep the loop-carried tiles fp32.
         scale2 = tl.cast(scale * LOG2E, tl.float32)
 
         # Score columns: (token // TL, head, token % TL).
+        NC: tl.constexpr = BT * GP
         cn = tl.arange(0, NC)
         col_t = tok0 + (cn // (GP * TL)) * TL + cn % TL
         col_g = (cn // TL) % GP
@@ -280,11 +257,6 @@ if HAS_TRITON:
         col_last = tl.where(col_tloc >= CMP_BLOCK - 1, (col_tloc - (CMP_BLOCK - 1)) // CMP_STRIDE, -1)
         col_last = tl.where(col_ok, tl.minimum(col_last, clen - 1), -1)
 
-        # Score rows: compression block j R + a of the tile's selection block j (a < R' padded).
-        rr = tl.arange(0, BC)
-        row_sel = rr // RP
-        row_a = rr % RP
-
         tok = tok0 + tl.arange(0, BT)
         tok_ok = tok < eos
         own = (tok - bos) // SEL_BLOCK
@@ -297,6 +269,64 @@ if HAS_TRITON:
         if RP != R:
             n_whole = 0
 
+        k_base = k_ptr + b * sk_b + h * sk_h
+        top, lost = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles, n_whole,
+                          GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE, LISTS, ROTATE)
+        if LISTS:
+            if REDO:
+                if lost != 0:
+                    exact, unused = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles,
+                                          n_whole, GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL,
+                                          IEEE, 0, ROTATE)
+                    top = exact
+
+        # Ascending ids, unused (-1: a -inf score) last.
+        jb = tl.arange(0, BS)[None, :]
+        top_i = BIG - top.to(tl.int32)
+        unused = ((top >> 32).to(tl.int32).to(tl.float32, bitcast=True) == float("-inf")) | (jb >= N)
+        key = tl.where(unused, BIG, top_i)
+        res = tl.full([BT, BS], -1, tl.int32)
+        for k in range(N):
+            low = tl.min(key, axis=1)
+            res = tl.where(jb == k, low[:, None], res)
+            key = tl.where(key == low[:, None], BIG, key)
+        res = tl.where(res == BIG, -1, res)
+        o_ptrs = out_ptr + b * so_b + h * so_h + tok.to(tl.int64)[:, None] * so_t + jb
+        tl.store(o_ptrs, res, mask=tok_ok[:, None] & (jb < N))
+
+    @triton.jit
+    def _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles, n_whole,
+              GP: tl.constexpr, BT: tl.constexpr, TL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+              R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
+              N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, IEEE: tl.constexpr,
+              LISTS: tl.constexpr, ROTATE: tl.constexpr):
+        """The program's walk over its tiles: (top, lost). top [BT, BS] int64 keys holds each
+        token's n best in its first N columns; lost (LISTS > 0) is nonzero when some list pushed
+        out a block that beats a token's n-th best kept.
+
+        The top-n works on int64 keys (score bits << 32 | BIG - block id): scores (importance
+        times 2^32, see _select_kernel) are >= 0 or +-inf, so the larger key is the larger score,
+        and of equal scores the lower id (the documented tie-break). LISTS = 0: the best n keys of
+        each token sit in the n first columns of `top`, the n-th best score in `nth`. A score
+        joins a queue of DEPTH slots per (token, tile column) only if it beats the token's n-th
+        best (an equal score never does: the earlier, lower id wins); when some queue is full,
+        and at the end, n passes of max over `top` and the queues rebuild `top`. Exact.
+
+        LISTS > 0 instead keeps the LISTS largest keys of each (token, column) in LISTS sorted
+        [BT, BS] tensors (a new key passes down them with a max and a min each; thread-local)
+        and the largest block key a list pushed out; at the end n passes over the first list
+        pick the n best. That is exact unless some column held more than LISTS of a token's n
+        best, which `lost` tells.
+        """
+        BC: tl.constexpr = BS * RP
+        NC: tl.constexpr = BT * GP
+        TH: tl.constexpr = BT // TL
+        BIG: tl.constexpr = 2147483647
+        d = tl.arange(0, DKP)
+        # Score rows: compression block j R + a of the tile's selection block j (a < R' padded).
+        rr = tl.arange(0, BC)
+        row_sel = rr // RP
+        row_a = rr % RP
         a = tl.arange(0, RP)
         # Weights of compression block j R + a onto selection block j (w0) and j + 1 (w1).
         w0 = tl.where(a < R, tl.minimum(a + M_CMP, R) - a, 0).to(tl.float32)
@@ -325,8 +355,8 @@ if HAS_TRITON:
         for jt in range(0, n_tiles):
             c = (jt * BS + row_sel) * R + row_a
             c_ok = (row_a < R) & (c < clen)
-            k_ptrs = k_ptr + b * sk_b + (cbos + c).to(tl.int64)[:, None] * sk_t + h * sk_h + d[None, :]
-            k_cd = tl.load(k_ptrs, mask=c_ok[:, None] & (d[None, :] < DK), other=0.0)
+            k_cd = tl.load(k_base + (cbos + c).to(tl.int64)[:, None] * sk_t + d[None, :],
+                           mask=c_ok[:, None] & (d[None, :] < DK), other=0.0)
             if IEEE:
                 s = tl.dot(k_cd, q_dn, input_precision="ieee")
             else:
@@ -400,6 +430,7 @@ if HAS_TRITON:
                     que = tl.full([DEPTH, BT, BS], EMPTY, tl.int64)
                     fill = tl.zeros([BT, BS], tl.int32)
 
+        lost = 0
         if LISTS:
             # The n best of the lists: each column's best is its L0; taking it moves the column up.
             top = tl.full([BT, BS], EMPTY, tl.int64)
@@ -418,18 +449,5 @@ if HAS_TRITON:
                 L7 = tl.where(hit, EMPTY, L7)
             # Exact unless a list pushed out a block that beats the n-th kept (keys are unique).
             nth_key = tl.min(tl.where(jb < N, top, 9223372036854775807), axis=1)
-            lost = (tl.max(drop, axis=1) > nth_key) & tok_ok
-            tl.store(flag_at, tl.max(lost.to(tl.int32), axis=0))
-
-        # Ascending ids, unused (-1: a -inf score) last.
-        top_i = BIG - top.to(tl.int32)
-        unused = ((top >> 32).to(tl.int32).to(tl.float32, bitcast=True) == float("-inf")) | (jb >= N)
-        key = tl.where(unused, BIG, top_i)
-        res = tl.full([BT, BS], -1, tl.int32)
-        for k in range(N):
-            low = tl.min(key, axis=1)
-            res = tl.where(jb == k, low[:, None], res)
-            key = tl.where(key == low[:, None], BIG, key)
-        res = tl.where(res == BIG, -1, res)
-        o_ptrs = out_ptr + b * so_b + h * so_h + tok.to(tl.int64)[:, None] * so_t + jb
-        tl.store(o_ptrs, res, mask=tok_ok[:, None] & (jb < N))
+            lost = tl.max(((tl.max(drop, axis=1) > nth_key) & tok_ok).to(tl.int32), axis=0)
+        return top, lost
