@@ -172,13 +172,13 @@ def test_launch_config_defaults():
                 "maxnreg": 0}
     assert select_triton.launch_config(4, 128, 32)["BS"] == 32
     # The lists from 32 tiles of selection blocks on (T = 32k at the paper's geometry), with a
-    # register cap of 128 at G' = 4 and Dk <= 128 only.
+    # register cap of 128 at G' <= 4 and 168 at G' = 16, Dk <= 128 only.
     assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
     caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"]
-            for G in (2, 3, 4, 8) for Dk in (64, 128, 192)}
-    assert {key for key, cap in caps.items() if cap} == {(3, 64), (3, 128), (4, 64), (4, 128)}
-    assert all(cap in (0, 128) for cap in caps.values())
+            for G in (1, 2, 3, 4, 8, 16) for Dk in (64, 128, 192)}
+    assert {key: cap for key, cap in caps.items() if cap} == {
+        **{(G, Dk): 128 for G in (1, 2, 3, 4) for Dk in (64, 128)}, (16, 64): 168, (16, 128): 168}
 
 
 def test_lists_out_of_range():
