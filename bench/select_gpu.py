@@ -2,8 +2,9 @@
 
     python -m bench.select_gpu --out runs/bench/select_tiles.json
 
-Shapes: TxHq with Hkv = 4 and Dk = 128 (T = 16384 and 65536 with G = 16, T = 32768 and 65536 with
-G = 4), or TxHqxHkvxDk (65536x12x3x64: seeds-125m's heads); bf16, the paper's geometry otherwise. For each shape and launch
+Shapes: TxHq with Hkv = 4 and Dk = 128 (T = 16384 and 65536 with G = 16, T = 32768 and 65536
+with G = 4), or TxHqxHkvxDk (65536x12x3x64: seeds-125m's heads); bf16, the paper's geometry
+otherwise. With --wide every shape also times the wider tiles (WIDE). For each shape and launch
 setting (the tiles of select_blocks_triton over launch_config's; "default" is what the op runs,
 timed first as the reference): the fraction of (kv head, token) rows equal to the default's and
 to the torch twin's, the rows that differ from the twin checked to be near-ties against fp64

@@ -9,9 +9,9 @@ patched here, nothing in the package changes), each timed at T = 64k and 32k wit
   notopk   scores summed into an accumulator instead of the top n (the fold kept)
   nofold   the exp'd scores summed before the group sum and the fold
   noexp    the raw scores summed (no exp either)
-Lost (--lost-out): with the exact walk of programs whose lists lost a block turned off, the share of tokens and of programs whose
-lists (LISTS = 4, 6, 8; rotation on and off) lost one of their n best blocks, against the exact
-queues' selection, at 64k with G = 4 and 16.
+Lost (--lost-out): with the exact walk of programs whose lists lost a block turned off (REDO),
+the share of tokens and of programs whose lists (LISTS = 4, 6, 8; rotation on and off) lost one
+of their n best blocks, against the exact queues' selection, at 64k with G = 4 and 16.
 """
 
 from __future__ import annotations

@@ -272,13 +272,13 @@ if HAS_TRITON:
         k_base = k_ptr + b * sk_b + h * sk_h
         top, lost = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles, n_whole,
                           GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE, LISTS, ROTATE)
-        if LISTS:
-            if REDO:
-                if lost != 0:
-                    exact, unused = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles,
-                                          n_whole, GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL,
-                                          IEEE, 0, ROTATE)
-                    top = exact
+        if LISTS and REDO:
+            if lost != 0:
+                # The lists lost a block: the same walk with the exact queues (LISTS = 0).
+                exact, unused = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles,
+                                      n_whole, GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE,
+                                      0, ROTATE)
+                top = exact
 
         # Ascending ids, unused (-1: a -inf score) last.
         jb = tl.arange(0, BS)[None, :]
