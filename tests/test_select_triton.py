@@ -172,13 +172,14 @@ def test_launch_config_defaults():
                 "maxnreg": 0}
     assert select_triton.launch_config(4, 128, 32)["BS"] == 32
     # The lists from 32 tiles of selection blocks on (T = 32k at the paper's geometry), with a
-    # register cap of 128 at G' <= 4 and 168 at G' = 16, Dk <= 128 only.
+    # register cap of 128 at G' <= 4 and 168 at G' >= 8, Dk <= 128 only.
     assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
     caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"]
             for G in (1, 2, 3, 4, 8, 16) for Dk in (64, 128, 192)}
     assert {key: cap for key, cap in caps.items() if cap} == {
-        **{(G, Dk): 128 for G in (1, 2, 3, 4) for Dk in (64, 128)}, (16, 64): 168, (16, 128): 168}
+        **{(G, Dk): 128 for G in (1, 2, 3, 4) for Dk in (64, 128)},
+        **{(G, Dk): 168 for G in (8, 16) for Dk in (64, 128)}}
 
 
 def test_lists_out_of_range():
@@ -214,6 +215,8 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6), id="G4-lists6"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=128), id="G4-lists6-maxnreg128"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=4, ROTATE=0), id="G4-lists4-no-rotation"),
+    pytest.param(1, 5000, 8, 64, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=168), id="G8-D64-lists6-maxnreg168"),
+    pytest.param(1, 5000, 8, 128, 16, "paper", torch.bfloat16, dict(LISTS=1, maxnreg=168), id="G8-lists1-maxnreg168"),
 ])
 def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
     """Settings bench/select_gpu.py times, on longer inputs (many tiles and merges)."""

@@ -79,21 +79,21 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
 
     With the lists the kernel holds both walks (the lists', and the queues' of a program that
     walks again). Built for sm_90 without a GPU: 174 registers uncapped at G' = 4, Dk = 128,
-    161 at Dk = 64, 197 at G' = 16 (two programs per SM); capped at 128 (G' <= 4, Dk <= 128;
-    56 / 20 bytes of spills at G' = 4, Dk = 128 / 64) four programs fit, capped at 168 (G' = 16,
-    Dk <= 128; no spills) three. At G' = 8 and Dk > 128 (shared memory allows two programs per SM
-    at most there, three at G' = 1) there is no cap. G' <= 2 is not timed. One slot per queue in
-    the second walk (fewer registers) was slower: a program that walks again merges at every
-    tile, and the launch waits for it. Times and records: docs/decisions.md, "The selection
-    kernel". Inductor (torch 2.11) drops maxnreg from the kernels it launches, so a capped launch
-    runs through nsa_flex::capped_launch, opaque to it.
+    161 at Dk = 64, 226 at G' = 8, 197 at G' = 16 (two programs per SM); capped at 128 (G' <= 4,
+    Dk <= 128; 56 / 20 bytes of spills at G' = 4, Dk = 128 / 64) four programs fit, capped at 168
+    (G' >= 8, Dk <= 128; 60 / 52 bytes of spills at G' = 8, Dk = 128 / 64, none at 16) three.
+    With Dk > 128 shared memory allows two programs per SM at most (three at G' = 1): no cap.
+    One slot per queue in the second walk (fewer registers) was slower: a program that walks
+    again merges at every tile, and the launch waits for it. Times and records: docs/decisions.md,
+    "The selection kernel". Inductor (torch 2.11) drops maxnreg from the kernels it launches, so a
+    capped launch runs through nsa_flex::capped_launch, opaque to it.
     """
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
     BS = max(16, next_pow2(n))
     lists = 6 if blocks >= 32 * BS else 0
     return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
-            "maxnreg": (128 if GP <= 4 else 168 if GP == 16 else 0) if lists and Dk <= 128 else 0}
+            "maxnreg": (128 if GP <= 4 else 168) if lists and Dk <= 128 else 0}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
