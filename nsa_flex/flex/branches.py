@@ -36,8 +36,7 @@ from nsa_flex.flex.masks import compressed_block_mask, selection_block_mask, win
 from nsa_flex.flex.masks.documents import Documents, documents
 from nsa_flex.flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
-from nsa_flex.ops.selected_attention import selected_attention
-from nsa_flex.ops.selected_attention import selected_gated_sum
+from nsa_flex.ops.selected_attention import selected_attention, selected_gated_sum
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.folded import FoldedRows, unfold

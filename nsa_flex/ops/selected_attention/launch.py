@@ -258,10 +258,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     cfg = _tiles(q, k, v, G, tiles)
     consts = _constexprs(q, v, G, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
-    do = do.contiguous()
+    do, lse = dense(do, lse)
     # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset).
     delta = _delta(do, o)
-    lse = lse.contiguous()
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
