@@ -1,15 +1,19 @@
-"""The window branch alone on the GPU: Flex BlockMask block sizes, and two chunked cuDNN causal calls.
+"""The window branch alone on the GPU: Flex BlockMask block sizes, the window op's kernels, and two
+chunked cuDNN causal calls.
 
     python -m bench.window_gpu --out $OUT/window.json --shapes 1:65536:16:4:128 1:32768:16:4:128 \
         [--blocks 128x128 128x64 "128x64:bwd_BLOCK_N1=64,bwd_num_warps=8" "128x128:USE_TMA=1"] [--no-cudnn] \
-        [--max-autotune]
+        [--max-autotune] [--kernels default "fwd_BN=128,kv_BM=128"]
 
 Per shape B:T:Hq:Hkv:D (bf16, NSAConfig's window): dense causal cuDNN (the same run's baseline),
 then the Flex window call (flex.window_branch, compiled with fullgraph=True) with each
 FlexTiles.win_block ("QxK", optionally ":key=value,..." Flex kernel options over the op's own
 for that call), forward and forward+backward medians, and the largest differences of its output and its
 gradients (q, k, v; one fixed output gradient) from the first variant's (the tiles only reorder
-bf16 sums; a wrong kernel option shows as a large difference or NaN). --max-autotune lets
+bf16 sums; a wrong kernel option shows as a large difference or NaN). --kernels: the op
+nsa_flex::window_attention's launches (ops.window.forward / backward, called directly) with
+launch_config's settings, each variant "default" or "key=int,..." over them: forward, backward
+(its two kernels) and forward+backward medians, and the same differences from the first Flex variant. --max-autotune lets
 Inductor time its own candidate tiles for every variant (the winners go to stderr as
 "Autotune Choices Stats"). Then the cost of the window as
 two causal attention calls over w-token chunks (queries of chunk i over the keys of chunk i,
@@ -27,6 +31,7 @@ import torch
 from bench.common import bench_ms, dense_cudnn, header, make_inputs, parse_shape, row_recorder, shape_script_parser
 from nsa_flex.flex import fold, tuning, window_branch
 from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
+from nsa_flex.ops import window as window_op
 
 _OWN_OPTIONS = tuning.branch_kernel_options
 
@@ -80,11 +85,39 @@ def _outputs(fn, leaves, grad) -> dict[str, torch.Tensor]:
     return got
 
 
+def _kernel_row(shape, spec, q_fold, k, v, G, w, scale, grad, ref) -> dict:
+    """Times the window op's launches with launch_config's settings changed by spec; diffs against ref."""
+    cfg = window_op.launch_config(q_fold.shape[-1], v.shape[-1])
+    if spec != "default":
+        for item in spec.split(","):
+            key, value = item.split("=")
+            if key not in cfg:
+                raise SystemExit(f"--kernels {spec!r}: unknown key {key!r}; known: {', '.join(cfg)}")
+            cfg[key] = int(value)
+    qd, kd, vd = (x.detach() for x in (q_fold, k, v))
+    row = {"shape": shape, "what": f"window op kernels {spec}", **cfg}
+    try:
+        o, lse = window_op.forward(qd, kd, vd, G, w, scale, cfg)
+        dq, dk, dv = window_op.backward(grad, qd, kd, vd, o, lse, G, w, scale, cfg)
+        row["fwd_ms"] = bench_ms(lambda: window_op.forward(qd, kd, vd, G, w, scale, cfg))
+        row["bwd_ms"] = bench_ms(lambda: window_op.backward(grad, qd, kd, vd, o, lse, G, w, scale, cfg))
+        row["fwd_bwd_ms"] = bench_ms(lambda: window_op.backward(grad, qd, kd, vd, *window_op.forward(
+            qd, kd, vd, G, w, scale, cfg), G, w, scale, cfg))
+        got = {"o": o.float(), "dq": dq.float(), "dk": dk.float(), "dv": dv.float()}
+        if ref is not None:
+            for name, value in got.items():
+                row[f"max_diff_{name}_vs_first"] = float((value - ref[name]).abs().max())
+    except Exception as exc:  # settings with no valid launch (shared memory): say so, go on
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
 def main() -> None:
     p = shape_script_parser(__doc__, ["1:65536:16:4:128"])
     p.add_argument("--blocks", nargs="+", default=["128x128", "128x64", "128x64:bwd_BLOCK_N1=64"])
     p.add_argument("--no-cudnn", action="store_true", help="skip the chunked cuDNN calls")
     p.add_argument("--max-autotune", action="store_true", help="Inductor times its candidate Flex tiles")
+    p.add_argument("--kernels", nargs="*", default=[], help='window op settings: "default" or "key=int,..."')
     args = p.parse_args()
     install_flex_tuning()
     if args.max_autotune:
@@ -122,6 +155,9 @@ def main() -> None:
             except Exception as exc:  # a block size Inductor has no tiles for: say so, go on
                 row = {"shape": shape, "what": f"flex window {blocks}", "error": f"{type(exc).__name__}: {exc}"[:300]}
             add(row)
+            torch.cuda.empty_cache()
+        for spec in args.kernels:
+            add(_kernel_row(shape, spec, q_fold, k, v, G, w, D ** -0.5, g, ref))
             torch.cuda.empty_cache()
         # Two causal calls over chunks: A [B*nC, Hq, w, D] over [B*nC, Hkv, w, D];
         # B [B*(nC-1), Hq, w-1, D] over [B*(nC-1), Hkv, w-1, D].

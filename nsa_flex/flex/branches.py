@@ -43,6 +43,7 @@ from nsa_flex.folded import FoldedRows, unfold
 from nsa_flex.validate import needs_grad
 from nsa_flex.ops.fold import fold as fold_op
 from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
+from nsa_flex.ops import window as window_op
 
 
 # One function per Flex call, each compiled once here: separate code objects give each its
@@ -145,7 +146,7 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-    o_win = window_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs)
+    o_win = window_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, q_room=qs.room)
     o = selected_gated_sum(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head,
                            o_win, gates, scale=qs.scale, cu_seqlens=cu_seqlens, folded=True)
     return o, block_indices
@@ -224,7 +225,7 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
             # The window reads the same keys through a view of the selected branch's tensors: with
             # initial-block copies those are new tensors, and one saved copy of K/V beats two.
             k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
-    o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs)
+    o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs, q_room=qs.room)
     return o_cmp, o_sel, o_win, block_indices
 
 
@@ -361,11 +362,38 @@ def with_initial_copies(x_bhtd: torch.Tensor, copies: InitialCopies) -> torch.Te
     return torch.cat([x_bhtd, pad, x_bhtd[:, :, :copies.keys].repeat(1, 1, copies.count, 1)], dim=2)
 
 
-def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None):
-    """o [B,Hkv,T*G,Dv] of the sliding window (w tokens, the query included)."""
+def window_impl(q_fold, k, v, tiles: FlexTiles, docs: Documents | None = None) -> str:
+    """The window branch's implementation: tiles.win_impl, or triton where it applies, else flex."""
+    applies = window_op.kernels_apply(q_fold, k, v)
+    match tiles.win_impl:
+        case None:
+            return "triton" if applies and docs is None else "flex"
+        case "triton" | "torch" if docs is not None:
+            raise ValueError(f"FlexTiles.win_impl={tiles.win_impl!r} runs one sequence per batch row; packed "
+                             "documents (cu_seqlens) take win_impl='flex' or None")
+        case "triton" if not applies:
+            raise ValueError(f"FlexTiles.win_impl='triton' needs CUDA tensors in {window_op.KERNEL_DTYPES} with Dk "
+                             f"and Dv in {window_op.HEAD_DIMS}; got {q_fold.device.type}, {q_fold.dtype}, "
+                             f"Dk={q_fold.shape[-1]}, Dv={v.shape[-1]}. Use win_impl=None")
+        case _:
+            return tiles.win_impl
+
+
+def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None,
+                  q_room=None):
+    """o [B,Hkv,T*G,Dv] of the sliding window (w tokens, the query included).
+
+    window_impl picks the call: the op nsa_flex::window_attention (triton / torch) reads the
+    folded rows in place from q_room when given (the buffer q_fold is the first T*G rows of), or
+    a Flex call with the window BlockMask.
+    """
     T = k.shape[1]
-    mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, q_fold.shape[2] // T,
-                      docs=docs)
+    G = q_fold.shape[2] // T
+    impl = window_impl(q_fold, k, v, tiles, docs)
+    if impl != "flex":
+        return window_op.window_attention(q_fold if q_room is None else q_room, k, v, G, config.window, scale=scale,
+                                          impl=impl)
+    mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, G, docs=docs)
     return _call(_flex_win, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win")
 
 

@@ -69,7 +69,16 @@ class FlexTiles:
     grouped call in plain torch: any device, for tests). None: cudnn where it applies (CUDA,
     16-bit, Dk = Dv in 64 / 128, one sequence per batch row), else flex."""
 
+    win_impl: str | None = None
+    """The window branch: "triton" (the op nsa_flex::window_attention, ops.window: kernels written
+    for the band; CUDA, 16-bit, Dk and Dv in 64 / 128, one sequence per batch row), "flex" (a Flex
+    call with the window BlockMask) or "torch" (the op's torch twin: any device, for tests). None:
+    triton where it applies, else flex."""
+
     def __post_init__(self) -> None:
+        if self.win_impl not in (None, *WINDOW_IMPLS):
+            raise ValueError(f"FlexTiles.win_impl={self.win_impl!r}: allowed None (where it applies) or "
+                             f"{', '.join(map(repr, WINDOW_IMPLS))}")
         if self.cmp_impl not in (None, *COMPRESSED_IMPLS):
             raise ValueError(f"FlexTiles.cmp_impl={self.cmp_impl!r}: allowed None (where it applies) or "
                              f"{', '.join(map(repr, COMPRESSED_IMPLS))}")
@@ -132,6 +141,7 @@ SHORT_SEQ_FACTOR = 2
 
 SELECTED_IMPLS = ("block", "flex")
 COMPRESSED_IMPLS = ("flex", "cudnn", "torch")
+WINDOW_IMPLS = ("triton", "flex", "torch")
 
 
 def is_short(T: int, config) -> bool:

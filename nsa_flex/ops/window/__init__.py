@@ -1,0 +1,188 @@
+"""NSA's sliding-window branch over folded queries: the op nsa_flex::window_attention.
+
+Query t (query head h*G + g, folded row t*G + g of kv head h) attends to the keys s with
+t - W < s <= t, softmax with scale Dk ** -0.5 by default. The same attention as the Flex window
+call (flex.branches.window_branch) with one kernel written for its band: a row tile's keys in
+blocks, only the two blocks at the band's edges masked, no block lists to read
+(kernels.py; docs/decisions.md, "The window branch").
+
+On CUDA with 16-bit inputs and Dk, Dv in HEAD_DIMS the op runs the Triton kernels; elsewhere the
+torch twin (twin.py). impl="triton" forces the kernels, e.g. on CPU under Triton's interpreter.
+"""
+
+# No `from __future__ import annotations` here: torch.library reads the ops' annotations.
+import math
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from nsa_flex.ops.triton_utils import HAS_TRITON, dense, quiet_without_triton
+from nsa_flex.ops.window import kernels, twin
+from nsa_flex.validate import check_4d
+
+if HAS_TRITON:
+    from torch.library import wrap_triton
+
+_IMPLS = ("auto", "triton", "torch")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+
+
+def kernels_apply(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether impl="auto" runs the kernels for these inputs: CUDA, 16-bit, Dk and Dv in HEAD_DIMS."""
+    return (q.is_cuda and HAS_TRITON and q.dtype in KERNEL_DTYPES and q.shape[-1] in HEAD_DIMS
+            and v.shape[-1] in HEAD_DIMS)
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, *, scale: float | None = None,
+                     impl: str = "auto") -> Tensor:
+    """o [B, Hkv, T*G, Dv] folded, in q's dtype; differentiable in q, k, v.
+
+    q [B, Hkv, R, Dk]: folded queries (nsa_flex.folded; R >= T*G rows, those past T*G ignored and
+    their gradient zero), read in place. k [B, T, Hkv, Dk], v [B, T, Hkv, Dv], one dtype. group:
+    G, query heads per kv head. window: W >= 1 keys, the query's own included. impl: "auto" (the
+    kernels where kernels_apply, else the twin), "triton" (the kernels on any device: CPU only
+    under TRITON_INTERPRET=1) or "torch" (the twin).
+    """
+    _check_inputs(q, k, v, group, window, impl)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, _ = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl)
+    return o
+
+
+def launch_config(Dk: int, Dv: int) -> dict[str, int]:
+    """Row tiles (BM), key blocks (BN), warps and stages of the three kernels, for 16-bit head dims.
+
+    64-row tiles with 4 warps everywhere (H100, bf16, W=512; docs/decisions.md, "The window
+    branch"): at T=64k, Hq=16, Hkv=4, D=128 the forward took 0.94 ms against 1.09 with 128-row
+    tiles and 8 warps, the backward 2.79 against 4.32 (the dK/dV kernel at 4 warps holds two
+    programs per SM, 255 registers with 124 bytes of spills, against one at 8 warps).
+    """
+    return {"fwd_BM": 64, "fwd_BN": 64, "fwd_warps": 4, "fwd_stages": 2,
+            "dq_BM": 64, "dq_BN": 64, "dq_warps": 4, "dq_stages": 2,
+            "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2}
+
+
+def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
+    return impl == "triton" or (impl == "auto" and kernels_apply(q, k, v))
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float,
+                  impl: str) -> tuple[Tensor, Tensor]:
+    if not _runs_kernels(q, k, v, impl):
+        return twin.forward(q, k, v, group, window, scale)
+    return forward(q, k, v, group, window, scale, launch_config(q.shape[-1], v.shape[-1]))
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float,
+            cfg: dict[str, int]) -> tuple[Tensor, Tensor]:
+    """The forward kernel's launch: (o, lse base 2). cfg: as launch_config gives it."""
+    q, k, v = dense(q, k, v)
+    B, T, Hkv, Dk = k.shape
+    R = T * group
+    o = q.new_empty(B, Hkv, R, v.shape[-1])
+    lse = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
+    if B * R * Hkv == 0:
+        return o, lse
+    BM = cfg["fwd_BM"]
+    wrap_triton(kernels._fwd_kernel)[(-(-R // BM), B * Hkv)](
+        q, k, v, o, lse, T, R, Hkv, window, scale * math.log2(math.e), *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *o.stride()[:3], G=group, BM=BM, BN=cfg["fwd_BN"], DK=Dk, DV=v.shape[-1],
+        F32_DOT=not q.is_cuda, num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+    return o, lse
+
+
+def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
+                   scale: float, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+    if not _runs_kernels(q, k, v, impl):
+        return twin.backward(do, q, k, v, group, window, scale)
+    return backward(do, q, k, v, o, lse, group, window, scale, launch_config(q.shape[-1], v.shape[-1]))
+
+
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
+             scale: float, cfg: dict[str, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it."""
+    do, q, k, v = dense(do, q, k, v)
+    B, T, Hkv, Dk = k.shape
+    Dv = v.shape[-1]
+    R = T * group
+    # dQ covers q's rows past T*G too (zeros there: no key, no output gradient).
+    dq = torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
+    if B * Hkv * q.shape[2] == 0:
+        return dq, dk, dv
+    scale2 = scale * math.log2(math.e)
+    common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+              *o.stride()[:3])
+    BM = cfg["dq_BM"]
+    wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
+        q, k, v, o, do, lse, dq, delta, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"], DK=Dk, DV=Dv,
+        F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
+    BN = cfg["kv_BN"]
+    if T > 0:
+        wrap_triton(kernels._dkdv_kernel)[(-(-T // BN), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk, DV=Dv,
+            F32_DOT=not q.is_cuda, num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"])
+    return dq, dk, dv
+
+
+with quiet_without_triton():
+    _forward_op = triton_op("nsa_flex::window_attention", mutates_args=())(_forward_impl)
+    _backward_op = triton_op("nsa_flex::window_attention_backward", mutates_args=())(_backward_impl)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, group, window, scale, impl):
+    B, T, Hkv, _ = k.shape
+    return q.new_empty(B, Hkv, T * group, v.shape[-1]), q.new_empty(B, Hkv, T * group, dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _backward_fake(do, q, k, v, o, lse, group, window, scale, impl):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, group, window, scale, impl = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (group, window, scale, impl)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa_flex.window_attention_backward(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_inputs(q, k, v, group, window, impl) -> None:
+    """Shape, dtype and device checks; every error says what was wrong and what is allowed."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
+    check_4d({"q": (q, "[B, Hkv, R >= T*G, Dk] (folded)"), "k": (k, "[B, T, Hkv, Dk]"),
+              "v": (v, "[B, T, Hkv, Dv]")}, "q")
+    B, T, Hkv, Dk = k.shape
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group={group!r}: query heads per kv head, an int >= 1")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r}: keys per query, an int >= 1")
+    if q.shape[:2] != (B, Hkv) or q.shape[2] < T * group or q.shape[3] != Dk:
+        raise ValueError(f"folded q {tuple(q.shape)} does not fit k {tuple(k.shape)} and group {group}: "
+                         f"expected [{B}, {Hkv}, >= {T * group}, {Dk}]")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} does not fit k {tuple(k.shape)}: expected [{B}, {T}, {Hkv}, Dv]")
+    if impl == "triton":
+        allowed = KERNEL_DTYPES + ((torch.float32,) if not q.is_cuda else ())
+        if q.dtype not in allowed or q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
+            raise ValueError(f"impl='triton' runs {', '.join(map(str, allowed))} with Dk, Dv in {HEAD_DIMS}; got "
+                             f"{q.dtype}, Dk={q.shape[-1]}, Dv={v.shape[-1]}")
+    allowed = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    if q.dtype not in allowed or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; they must match, one of "
+                        f"{', '.join(map(str, allowed))}")

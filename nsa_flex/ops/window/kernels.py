@@ -1,0 +1,224 @@
+"""Triton kernels of nsa_flex::window_attention: the sliding window over folded queries.
+
+Query rows are folded (row r = t*G + g of kv head h is query head h*G + g at token t), so a tile
+of BM rows holds BM/G tokens that share one kv head and one run of keys: the tokens t0..t1 of
+a tile see keys t0-W+1 .. t1, BM/G + W - 1 keys in all. Each loop over keys runs in three parts,
+by blocks of BN keys: the blocks the window's start cuts (masked), those every row sees whole
+(no mask) and those the diagonal cuts (masked).
+
+Forward: one program per row tile, an online softmax in base 2; o in the inputs' dtype and the
+row's lse (fp32, base 2). Backward, two launches, no atomics: _dq_kernel per row tile (dQ, and
+delta = rowsum(dO * O) for its rows), then _dkdv_kernel per key block, walking the row tiles
+that see the block (all G heads of its kv head: no GQA reduction afterwards).
+
+Under Triton's interpreter (CPU tests) the dots run in fp32 (F32_DOT): its dot misreads
+16-bit inputs.
+"""
+
+from __future__ import annotations
+
+from nsa_flex.ops.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from nsa_flex.ops.triton_utils import dot
+
+    @triton.jit
+    def _row_tile(ptr, b, h, rows, rows_ok, s_b, s_h, s_r, D: tl.constexpr):
+        """[BM, D] folded rows of (b, h), zero past the last row."""
+        d = tl.arange(0, D)
+        return tl.load(ptr + b * s_b + h * s_h + rows.to(tl.int64)[:, None] * s_r + d[None, :],
+                       mask=rows_ok[:, None], other=0.0)
+
+    @triton.jit
+    def _key_tile_t(ptr, b, h, keys, T, s_b, s_t, s_h, D: tl.constexpr):
+        """[D, BN]: keys `keys` of (b, h) transposed, zero past T."""
+        d = tl.arange(0, D)
+        return tl.load(ptr + b * s_b + keys.to(tl.int64)[None, :] * s_t + h * s_h + d[:, None],
+                       mask=keys[None, :] < T, other=0.0)
+
+    @triton.jit
+    def _row_parts(t0, t1, W, BN: tl.constexpr):
+        """Key block starts of a tile of tokens t0..t1: (first, first unmasked, first cut by the
+        diagonal, end). Blocks in [first, mid_lo) are cut by the window's start, [mid_lo,
+        mid_hi) are whole for every row, [mid_hi, end) are cut by the diagonal."""
+        first = (tl.maximum(t0 - W + 1, 0) // BN) * BN
+        mid_lo = first + tl.cdiv(tl.maximum(t1 - W + 1 - first, 0), BN) * BN
+        mid_hi = tl.maximum(first + ((t0 + 1 - first) // BN) * BN, mid_lo)
+        end = t1 + 1
+        return first, mid_lo, tl.minimum(mid_hi, tl.cdiv(end - first, BN) * BN + first), end
+
+    @triton.jit
+    def _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                  MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  F32_DOT: tl.constexpr):
+        keys = n0 + tl.arange(0, BN)
+        kt = _key_tile_t(K, b, h, keys, T, s_kb, s_kt, s_kh, DK)
+        s = dot(q, kt, F32_DOT, False) * scale2
+        if MASKED:
+            seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row the window's start cuts may see no key yet: subtract 0, not -inf (no NaN).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.trans(_key_tile_t(V, b, h, keys, T, s_vb, s_vt, s_vh, DV))
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, F32_DOT, False)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE, T, R, Hkv, W, scale2,
+                    s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+        """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0)."""
+        bh = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rows_ok = rows < R
+        tok = rows // G
+        t0 = tl.program_id(0) * BM // G
+        t1 = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)
+        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, DV], tl.float32)
+        first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
+        for n0 in range(first, mid_lo, BN):
+            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh,
+                                      s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
+        for n0 in range(mid_lo, mid_hi, BN):
+            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh,
+                                      s_vb, s_vt, s_vh, False, BN, DK, DV, F32_DOT)
+        for n0 in range(mid_hi, end, BN):
+            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh,
+                                      s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
+        # Every real row sees its own key, so l_i > 0 there; pad rows are not stored.
+        l_safe = tl.where(rows_ok, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        dv = tl.arange(0, DV)
+        tl.store(O + b * s_ob + h * s_oh + rows.to(tl.int64)[:, None] * s_or + dv[None, :], o.to(O.dtype.element_ty),
+                 mask=rows_ok[:, None])
+        tl.store(LSE + bh.to(tl.int64) * R + rows, m_i + tl.math.log2(l_safe), mask=rows_ok)
+
+    @triton.jit
+    def _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                 MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 F32_DOT: tl.constexpr):
+        keys = n0 + tl.arange(0, BN)
+        kt = _key_tile_t(K, b, h, keys, T, s_kb, s_kt, s_kh, DK)
+        p = tl.math.exp2(dot(q, kt, F32_DOT, False) * scale2 - lse2[:, None])
+        if MASKED:
+            seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
+            p = tl.where(seen, p, 0.0)
+        vt = _key_tile_t(V, b, h, keys, T, s_vb, s_vt, s_vh, DV)
+        ds = p * (dot(do, vt, F32_DOT, False) - delta[:, None])
+        return dq + dot(ds.to(kt.dtype), tl.trans(kt), F32_DOT, False)
+
+    @triton.jit
+    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, RQ, T, R, Hkv, W, scale, scale2,
+                   s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                   G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+        """dQ [B, Hkv, RQ, DK] of a row tile (zero at rows R .. RQ - 1; O's strides serve DO too), and
+        delta of its rows."""
+        bh = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rows_ok = rows < R
+        tok = rows // G
+        t0 = tl.program_id(0) * BM // G
+        t1 = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)
+        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
+        do = _row_tile(DO, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
+        o = _row_tile(O, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + bh.to(tl.int64) * R + rows, delta, mask=rows_ok)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
+        dq = tl.zeros([BM, DK], tl.float32)
+        first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
+        for n0 in range(first, mid_lo, BN):
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                          s_vh, True, BN, DK, DV, F32_DOT)
+        for n0 in range(mid_lo, mid_hi, BN):
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                          s_vh, False, BN, DK, DV, F32_DOT)
+        for n0 in range(mid_hi, end, BN):
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                          s_vh, True, BN, DK, DV, F32_DOT)
+        dk_ = tl.arange(0, DK)
+        tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
+
+    @triton.jit
+    def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh, s_qr,
+                   s_ob, s_oh, s_or, MASKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, F32_DOT: tl.constexpr):
+        rows = r0 + tl.arange(0, BM)
+        rows_ok = rows < R
+        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
+        do = _row_tile(DO, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
+        # Pad rows: lse +inf makes their probabilities 0.
+        lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=float("inf"))
+        delta = tl.load(DELTA + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
+        # [BN, BM]: keys down, rows across.
+        pt = tl.math.exp2(dot(k, tl.trans(q), F32_DOT, False) * scale2 - lse2[None, :])
+        if MASKED:
+            tok = rows // G
+            seen = (keys[:, None] <= tok[None, :]) & (keys[:, None] > tok[None, :] - W)
+            pt = tl.where(seen, pt, 0.0)
+        dv += dot(pt.to(do.dtype), do, F32_DOT, False)
+        dst = pt * (dot(v, tl.trans(do), F32_DOT, False) - delta[None, :])
+        dk += dot(dst.to(q.dtype), q, F32_DOT, False)
+        return dk, dv
+
+    @triton.jit
+    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, T, R, Hkv, W, scale, scale2,
+                     s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+        """dK, dV [B, T, Hkv, D] (k's and v's strides) of key block program_id(0): the rows of
+        tokens s0 .. s0 + BN + W - 2 see some of its keys."""
+        bh = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        s0 = tl.program_id(0) * BN
+        keys = s0 + tl.arange(0, BN)
+        keys_ok = keys < T
+        dk_ = tl.arange(0, DK)
+        dv_ = tl.arange(0, DV)
+        k_ptrs = K + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh
+        v_ptrs = V + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh
+        k = tl.load(k_ptrs + dk_[None, :], mask=keys_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs + dv_[None, :], mask=keys_ok[:, None], other=0.0)
+        dk = tl.zeros([BN, DK], tl.float32)
+        dv = tl.zeros([BN, DV], tl.float32)
+        # Row tiles by their tokens: [r_first, r_lo) see the diagonal cut the block, [r_lo, r_hi)
+        # see it whole, [r_hi, r_end) see the window's start cut it.
+        t_last = tl.minimum(s0 + BN - 1 + W - 1, T - 1)
+        r_first = (s0 * G // BM) * BM
+        r_end = (t_last + 1) * G
+        # A tile is whole when its first token >= s0 + BN - 1 and its last token <= s0 + W - 1.
+        r_lo = r_first + tl.cdiv(tl.maximum((s0 + BN - 1) * G - r_first, 0), BM) * BM
+        r_hi = tl.maximum(r_first + (((s0 + W) * G - r_first) // BM) * BM, r_lo)
+        r_hi = tl.minimum(r_hi, r_first + tl.cdiv(r_end - r_first, BM) * BM)
+        r_lo = tl.minimum(r_lo, r_hi)
+        for r0 in range(r_first, r_lo, BM):
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh,
+                                s_qr, s_ob, s_oh, s_or, True, G, BM, DK, DV, F32_DOT)
+        for r0 in range(r_lo, r_hi, BM):
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh,
+                                s_qr, s_ob, s_oh, s_or, False, G, BM, DK, DV, F32_DOT)
+        for r0 in range(r_hi, r_end, BM):
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh,
+                                s_qr, s_ob, s_oh, s_or, True, G, BM, DK, DV, F32_DOT)
+        tl.store(DK_ + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh + dk_[None, :],
+                 (dk * scale).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
+        tl.store(DV_ + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh + dv_[None, :],
+                 dv.to(DV_.dtype.element_ty), mask=keys_ok[:, None])

@@ -1,0 +1,59 @@
+"""The torch twin of nsa_flex::window_attention: the same attention with a dense mask per chunk
+of queries (any device, fp32 math, fp64 stays fp64). The CPU path and the tests' second opinion."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# Query tokens per chunk: a chunk's scores are [B, Hkv, chunk*G, chunk + W - 1].
+_CHUNK = 256
+
+
+def _chunks(q: Tensor, k: Tensor, group: int, window: int, scale: float, acc: torch.dtype):
+    """Per chunk of query tokens: (row slice, key slice, scores [B, Hkv, rows, keys] with -inf outside the window)."""
+    T = k.shape[1]
+    for t0 in range(0, T, _CHUNK):
+        t1 = min(T, t0 + _CHUNK)
+        s0 = max(0, t0 - window + 1)
+        rows, keys = slice(t0 * group, t1 * group), slice(s0, t1)
+        scores = q[:, :, rows].to(acc) @ k[:, keys].transpose(1, 2).to(acc).transpose(-1, -2) * scale
+        tok = torch.arange(t0 * group, t1 * group, device=q.device) // group
+        key = torch.arange(s0, t1, device=q.device)
+        seen = (key[None, :] <= tok[:, None]) & (key[None, :] > tok[:, None] - window)
+        yield rows, keys, scores.masked_fill(~seen, float("-inf"))
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
+    """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hkv, T*G] fp32, base 2): arguments as the op's."""
+    B, T, Hkv, _ = k.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    o = q.new_zeros(B, Hkv, T * group, v.shape[-1])
+    lse = torch.zeros(B, Hkv, T * group, dtype=torch.float32, device=q.device)
+    for rows, keys, scores in _chunks(q, k, group, window, scale, acc):
+        chunk_lse = scores.logsumexp(-1)
+        p = (scores - chunk_lse[..., None]).exp()
+        o[:, :, rows] = (p @ v[:, keys].transpose(1, 2).to(acc)).to(q.dtype)
+        lse[:, :, rows] = (chunk_lse / math.log(2)).float()
+    return o, lse
+
+
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, group: int, window: int,
+             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in q's, k's and v's shapes and dtypes (dq's rows past T*G zero), written out:
+    an op's body runs below autograd, so no autograd here."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
+    for rows, keys, scores in _chunks(q, k, group, window, scale, acc):
+        p = (scores - scores.logsumexp(-1, keepdim=True)).exp()
+        k_c, v_c = (x[:, keys].transpose(1, 2).to(acc) for x in (k, v))
+        do_c = do[:, :, rows].to(acc)
+        dp = do_c @ v_c.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq[:, :, rows] = scale * ds @ k_c
+        dk[:, keys] += (scale * ds.transpose(-1, -2) @ q[:, :, rows].to(acc)).transpose(1, 2)
+        dv[:, keys] += (p.transpose(-1, -2) @ do_c).transpose(1, 2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,273 @@
+"""nsa_flex::window_attention: the torch twin and the Triton kernels (under Triton's interpreter on
+CPU, or on CUDA) against the reference's window branch in fp64, causality, the op's checks,
+opcheck and a fullgraph compile.
+
+The oracle is nsa_flex.reference's attention under its window mask, on the unfolded queries,
+differentiated by autograd; the tolerance is derived as in test_selected_attention (2x the
+same computation's error in the inputs' dtype, plus rounding floors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from interpreter import interpreter_mark
+from nsa_flex import reference
+from nsa_flex.folded import fold, unfold
+from nsa_flex.ops import window as window_op
+from nsa_flex.ops.window import kernels, window_attention
+
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
+interpreter = interpreter_mark(getattr(kernels, "_fwd_kernel", None))
+
+
+def make_inputs(B, T, Hkv, G, Dk, Dv, dtype, extra=0, seed=0, device="cpu"):
+    """(q folded [B, Hkv, T*G + extra, Dk] with zero pad rows, k, v, dO folded)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hkv * G, Dk, generator=g)
+    k, v = torch.randn(B, T, Hkv, Dk, generator=g), torch.randn(B, T, Hkv, Dv, generator=g)
+    do = torch.randn(B, Hkv, T * G, Dv, generator=g)
+    q_fold = fold(q, Hkv, rows=T * G + extra)
+    return [x.to(device=device, dtype=dtype) for x in (q_fold, k, v, do)]
+
+
+def oracle(q, k, v, do, G, W, dtype):
+    """(o, dq, dk, dv) of the reference's window attention in `dtype`: o and dq folded as q."""
+    q, k, v, do = (x.detach().to(dtype).requires_grad_() for x in (q, k, v, do))
+    T = k.shape[1]
+    t = torch.arange(T, device=q.device)
+    mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - W)
+    q_bhtd = unfold(q[:, :, :T * G], T).transpose(1, 2)
+    o, _ = reference._attend(q_bhtd, reference._heads(k, G, dtype), reference._heads(v, G, dtype), mask,
+                             q.shape[-1] ** -0.5)
+    o = fold(o.transpose(1, 2), k.shape[2])
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+
+
+def run_op(q, k, v, do, G, W, impl):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = window_attention(q, k, v, G, W, impl=impl)
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+
+
+def check(got, q, k, v, do, G, W):
+    """got = (o, dq, dk, dv) against the fp64 oracle: within 2x the dtype's own error + rounding floors."""
+    dtype = q.dtype
+    want = oracle(q, k, v, do, G, W, torch.float64)
+    low = oracle(q, k, v, do, G, W, dtype)
+    big = {name: x.abs().max().item() for name, x in zip("qkvd", (q, k, v, do))}
+    ds = big["d"] * big["v"] * q.shape[-1] ** -0.5
+    for name, x, w, lo, m in zip(("o", "dq", "dk", "dv"), got, want, low,
+                                 (big["v"], ds * big["k"], ds * big["q"], big["d"])):
+        assert x.dtype == dtype and x.shape == w.shape, name
+        err = (x.double() - w.double()).abs().max().item()
+        ref_err = (lo.double() - w.double()).abs().max().item()
+        bound = 2 * ref_err + torch.finfo(dtype).eps / 2 * w.abs().max().item() + 16 * 2.0 ** -24 * m
+        assert math.isfinite(err) and err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e}"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """The kernels' buffers start as NaN: any element read before written shows up."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        return real(*args, **kwargs).fill_(math.nan)
+
+    def empty_like(*args, **kwargs):
+        return torch.full_like(*args, math.nan, **kwargs)
+
+    monkeypatch.setattr(window_op.torch, "empty", empty)
+    monkeypatch.setattr(window_op.torch, "empty_like", empty_like)
+
+
+TWIN_CASES = [  # B, T, Hkv, G, Dk, Dv, W, extra
+    pytest.param(1, 1, 1, 1, 16, 16, 512, 0, id="T1"),
+    pytest.param(2, 63, 2, 4, 32, 24, 16, 3, id="G4-W16-pad"),
+    pytest.param(1, 300, 1, 3, 16, 32, 100, 0, id="G3-Dv-wider-chunks"),
+    pytest.param(1, 111, 1, 16, 16, 16, 1, 0, id="G16-W1"),
+]
+
+
+@pytest.mark.parametrize("B,T,Hkv,G,Dk,Dv,W,extra", TWIN_CASES)
+def test_twin_matches_reference(B, T, Hkv, G, Dk, Dv, W, extra):
+    q, k, v, do = make_inputs(B, T, Hkv, G, Dk, Dv, torch.float64, extra, seed=1)
+    got = run_op(q, k, v, do, G, W, "torch")
+    want = oracle(q, k, v, do, G, W, torch.float64)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=name)
+    assert torch.equal(got[1][:, :, T * G:], torch.zeros_like(got[1][:, :, T * G:]))
+
+
+KERNEL_CASES = [  # B, T, Hkv, G, Dk, Dv, W, extra, dtype
+    pytest.param(1, 150, 2, 4, 64, 64, 40, 0, torch.float32, id="G4-W40-fp32"),
+    pytest.param(2, 77, 1, 3, 64, 128, 20, 5, torch.float32, id="G3-Dv128-pad-B2"),
+    pytest.param(1, 200, 1, 1, 128, 64, 130, 0, torch.float32, id="G1-Dk128-W130"),
+    pytest.param(1, 45, 1, 16, 64, 64, 512, 0, torch.bfloat16, id="G16-W-past-T-bf16"),
+    pytest.param(1, 70, 2, 2, 64, 64, 1, 2, torch.float16, id="G2-W1-fp16"),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("B,T,Hkv,G,Dk,Dv,W,extra,dtype", KERNEL_CASES)
+def test_kernels_interpreted(B, T, Hkv, G, Dk, Dv, W, extra, dtype, poisoned):
+    q, k, v, do = make_inputs(B, T, Hkv, G, Dk, Dv, dtype, extra, seed=2)
+    got = run_op(q, k, v, do, G, W, "triton")
+    check(got, q, k, v, do, G, W)
+    # dQ of the rows past T*G: exact zeros (the buffers started as NaN).
+    assert torch.equal(got[1][:, :, T * G:], torch.zeros_like(got[1][:, :, T * G:]))
+
+
+SMALL_TILES = [  # (G, row tiles, fwd / dq key blocks, dK/dV key blocks)
+    pytest.param(3, 32, 16, 32, id="G3-rows-split-tokens"),
+    # One token per 16-row tile: tiles start at every token, so every edge of the loops' parts occurs.
+    pytest.param(16, 16, 16, 16, id="G16-token-tiles"),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("G, BM, BN, kv_BN", SMALL_TILES)
+def test_kernels_interpreted_other_tiles(G, BM, BN, kv_BN, poisoned):
+    """Smaller tiles than launch_config's: row tiles that split a token's heads, and tiles of one token."""
+    cfg = {"fwd_BM": BM, "fwd_BN": BN, "fwd_warps": 4, "fwd_stages": 1, "dq_BM": BM, "dq_BN": BN, "dq_warps": 4,
+           "dq_stages": 1, "kv_BM": 16, "kv_BN": kv_BN, "kv_warps": 4, "kv_stages": 1}
+    q, k, v, do = make_inputs(1, 90, 1, G, 64, 64, torch.float32, 4, seed=3)
+    scale = 64 ** -0.5
+    for W in (50, 48):
+        o, lse = window_op.forward(q, k, v, G, W, scale, cfg)
+        check((o, *window_op.backward(do, q, k, v, o, lse, G, W, scale, cfg)), q, k, v, do, G, W)
+
+
+@interpreter
+@pytest.mark.parametrize("W", [15, 16, 17, 63, 64, 65, 127, 128])
+def test_kernels_interpreted_window_edges(W):
+    """Windows just under, at and past multiples of the tiles: the loops' whole and cut parts meet
+    at the window's start and at the diagonal, one key or one token either way."""
+    q, k, v, do = make_inputs(1, 260, 1, 4, 64, 64, torch.float32, seed=W)
+    check(run_op(q, k, v, do, 4, W, "triton"), q, k, v, do, 4, W)
+
+
+@interpreter
+def test_kernels_interpreted_causal():
+    """Keys after a token or W and more before it change nothing of its output or its dQ."""
+    T, G, W = 96, 2, 24
+    q, k, v, do = make_inputs(1, T, 1, G, 64, 64, torch.float32, seed=4)
+    t = 50
+    k2, v2 = k.clone(), v.clone()
+    for x in (k2, v2):
+        x[:, t + 1:] = 7.0
+        x[:, :t - W + 1] = -5.0
+    a, b = run_op(q, k, v, do, G, W, "triton"), run_op(q, k2, v2, do, G, W, "triton")
+    rows = slice(t * G, (t + 1) * G)
+    torch.testing.assert_close(a[0][:, :, rows], b[0][:, :, rows], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a[1][:, :, rows], b[1][:, :, rows], atol=1e-6, rtol=1e-6)
+    assert (a[0][:, :, (t + 2) * G:] - b[0][:, :, (t + 2) * G:]).abs().max() > 1e-3
+
+
+def _op_args():
+    q, k, v, _ = make_inputs(1, 40, 2, 2, 16, 24, torch.float32, extra=4, seed=5)
+    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 2, 9, 0.25, "auto")
+
+
+def test_opcheck_cpu():
+    torch.library.opcheck(torch.ops.nsa_flex.window_attention.default, _op_args())
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(impl="cuda"), ValueError, "impl='cuda'"),
+    (dict(group=0), ValueError, "group=0"),
+    (dict(window=0), ValueError, "window=0"),
+    (dict(window=True), ValueError, "window=True"),
+    (dict(q=lambda q: q[:, :, :70]), ValueError, "does not fit"),
+    (dict(v=lambda v: v[:, :30]), ValueError, "does not fit"),
+    (dict(k=lambda k: k.double()), TypeError, "must match"),
+    (dict(q=lambda q: q[0]), ValueError, "q"),
+    (dict(impl="triton", q=lambda q: q[..., :16], k=lambda k: k[..., :16]), ValueError, "Dk, Dv in"),
+])
+def test_bad_inputs(change, error, message):
+    q, k, v, _ = make_inputs(1, 40, 2, 2, 64, 64, torch.float32)
+    args = {"q": q, "k": k, "v": v, "group": 2, "window": 9, "impl": "auto"}
+    for key, value in change.items():
+        args[key] = value(args[key]) if callable(value) else value
+    with pytest.raises(error, match=message):
+        window_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("group"), args.pop("window"), **args)
+
+
+def test_kernels_apply_only_on_cuda_16_bit():
+    q, k, v, _ = make_inputs(1, 8, 1, 2, 64, 64, torch.bfloat16)
+    assert not window_op.kernels_apply(q, k, v)
+
+
+GPU_CASES = [  # T, Hkv, G, Dk, Dv, dtype
+    (1000, 2, 1, 64, 64, torch.bfloat16), (1000, 2, 4, 128, 128, torch.bfloat16), (1000, 1, 16, 128, 64, torch.float16),
+    (4096, 3, 4, 64, 64, torch.bfloat16), (4096, 2, 2, 64, 128, torch.bfloat16), (4099, 4, 4, 128, 128, torch.float16),
+]
+
+
+@gpu
+@pytest.mark.parametrize("T, Hkv, G, Dk, Dv, dtype", GPU_CASES)
+def test_kernels_gpu(T, Hkv, G, Dk, Dv, dtype):
+    q, k, v, do = make_inputs(1, T, Hkv, G, Dk, Dv, dtype, extra=3 * G, seed=T + G, device="cuda")
+    got = run_op(q, k, v, do, G, 512, "auto")
+    check(got, q, k, v, do, G, 512)
+    assert torch.equal(got[1][:, :, T * G:], torch.zeros_like(got[1][:, :, T * G:]))
+
+
+@gpu
+def test_compile_fullgraph_cuda():
+    """fwd + bwd under torch.compile(fullgraph=True) equal the eager op: one frame, no recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=False)
+    def step(q, k, v):
+        return window_attention(q * 1.0, k, v, 4, 512) + 0
+
+    for seed in (0, 1):
+        q, k, v, do = make_inputs(1, 2000, 2, 4, 128, 128, torch.bfloat16, seed=seed, device="cuda")
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = step(*x)
+        got = (o, *torch.autograd.grad(o, x, do))
+        for a, b in zip(got, run_op(q, k, v, do, 4, 512, "auto")):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert counter.frame_count == 1
+
+
+def test_win_impl_choice_and_its_errors():
+    from nsa_flex.flex.branches import window_impl
+    from nsa_flex.flex.tuning import FlexTiles
+
+    q, k, v, _ = make_inputs(1, 20, 1, 4, 64, 64, torch.bfloat16)
+    # On CPU None takes Flex; documents always take Flex.
+    assert window_impl(q, k, v, FlexTiles()) == "flex"
+    assert window_impl(q, k, v, FlexTiles(win_impl="torch")) == "torch"
+    with pytest.raises(ValueError, match="win_impl='triton' needs CUDA tensors"):
+        window_impl(q, k, v, FlexTiles(win_impl="triton"))
+    with pytest.raises(ValueError, match="packed documents"):
+        window_impl(q, k, v, FlexTiles(win_impl="torch"), docs=object())
+    with pytest.raises(ValueError, match="win_impl='cudnn'.*allowed None"):
+        FlexTiles(win_impl="cudnn")
+
+
+@pytest.mark.parametrize("cmp_impl", [None, "torch"], ids=["fold", "q-room"])
+def test_whole_op_with_window_op_equals_the_reference(cmp_impl):
+    """nsa_flex with win_impl="torch" (q read from the grouped call's buffer with cmp_impl="torch"):
+    output and selection equal the reference's in fp64."""
+    from naive import random_inputs
+    from nsa_flex import NSAConfig
+    from nsa_flex.flex import nsa_flex
+    from nsa_flex.flex.tuning import FlexTiles
+    from nsa_flex.reference import nsa_reference
+
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=32, head_dim_v=24, window=40, n_selected=4, sel_block=32)
+    x = random_inputs(cfg, 150, B=1, seed=12)
+    o_ref, sel_ref = nsa_reference(**x, config=cfg)
+    with torch.no_grad():
+        o, sel = nsa_flex(**x, config=cfg, tiles=FlexTiles(win_impl="torch", cmp_impl=cmp_impl))
+    assert torch.equal(sel.long(), sel_ref.long())
+    assert (o - o_ref).abs().max() <= 100 * torch.finfo(torch.float64).eps
