@@ -76,6 +76,9 @@ if HAS_TRITON:
                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     F32_DOT: tl.constexpr):
         """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0)."""
+        # Under Inductor a float argument arrives as a constexpr (a Python float, fp64 in the
+        # arithmetic): fp32 it must be, for the loop-carried row max.
+        sc2 = tl.cast(scale2, tl.float32)
         bh = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
@@ -90,13 +93,13 @@ if HAS_TRITON:
         acc = tl.zeros([BM, DV], tl.float32)
         first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
         for n0 in range(first, mid_lo, BN):
-            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh,
+            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
                                       s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
         for n0 in range(mid_lo, mid_hi, BN):
-            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh,
+            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
                                       s_vb, s_vt, s_vh, False, BN, DK, DV, F32_DOT)
         for n0 in range(mid_hi, end, BN):
-            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh,
+            acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
                                       s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
         # Every real row sees its own key, so l_i > 0 there; pad rows are not stored.
         l_safe = tl.where(rows_ok, l_i, 1.0)
@@ -127,6 +130,8 @@ if HAS_TRITON:
                    F32_DOT: tl.constexpr):
         """dQ [B, Hkv, RQ, DK] of a row tile (zero at rows R .. RQ - 1; O's strides serve DO too), and
         delta of its rows."""
+        sc = tl.cast(scale, tl.float32)
+        sc2 = tl.cast(scale2, tl.float32)
         bh = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
@@ -144,17 +149,17 @@ if HAS_TRITON:
         dq = tl.zeros([BM, DK], tl.float32)
         first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
         for n0 in range(first, mid_lo, BN):
-            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
                           s_vh, True, BN, DK, DV, F32_DOT)
         for n0 in range(mid_lo, mid_hi, BN):
-            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
                           s_vh, False, BN, DK, DV, F32_DOT)
         for n0 in range(mid_hi, end, BN):
-            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
                           s_vh, True, BN, DK, DV, F32_DOT)
         dk_ = tl.arange(0, DK)
         tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
+                 (dq * sc).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
 
     @triton.jit
     def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh, s_qr,
@@ -185,6 +190,8 @@ if HAS_TRITON:
                      F32_DOT: tl.constexpr):
         """dK, dV [B, T, Hkv, D] (k's and v's strides) of key block program_id(0): the rows of
         tokens s0 .. s0 + BN + W - 2 see some of its keys."""
+        sc = tl.cast(scale, tl.float32)
+        sc2 = tl.cast(scale2, tl.float32)
         bh = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
         h = bh % Hkv
@@ -210,15 +217,15 @@ if HAS_TRITON:
         r_hi = tl.minimum(r_hi, r_first + tl.cdiv(r_end - r_first, BM) * BM)
         r_lo = tl.minimum(r_lo, r_hi)
         for r0 in range(r_first, r_lo, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, sc2, s_qb, s_qh,
                                 s_qr, s_ob, s_oh, s_or, True, G, BM, DK, DV, F32_DOT)
         for r0 in range(r_lo, r_hi, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, sc2, s_qb, s_qh,
                                 s_qr, s_ob, s_oh, s_or, False, G, BM, DK, DV, F32_DOT)
         for r0 in range(r_hi, r_end, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, sc2, s_qb, s_qh,
                                 s_qr, s_ob, s_oh, s_or, True, G, BM, DK, DV, F32_DOT)
         tl.store(DK_ + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh + dk_[None, :],
-                 (dk * scale).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
+                 (dk * sc).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
         tl.store(DV_ + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh + dv_[None, :],
                  dv.to(DV_.dtype.element_ty), mask=keys_ok[:, None])
