@@ -2,9 +2,13 @@
 
     python -m bench.op_ab_gpu --out $OUT/op_ab.json --preset g4 -T 32768 65536 --modes fwd fwd+bwd \\
         --variants code=- no_caps=selected.fwd_maxnreg:0,select.maxnreg:0 chunks16=selected.bwd_chunks:16
+    python -m bench.op_ab_gpu --out $OUT/window_ab.json -T 8192 65536 \
+        --variants window_op=tiles.win_impl:triton flex_window=tiles.win_impl:flex
 
-Each variant (NAME=MODULE.KEY:INT,...; "-" for none) overrides launch_config's keys of the
-selected op (selected.KEY) and of the selection kernel (select.KEY) while its own
+Each variant (NAME=MODULE.KEY:VALUE,...; "-" for none) overrides launch_config's keys of the
+selected op (selected.KEY:INT) and of the selection kernel (select.KEY:INT), and FlexTiles'
+fields (tiles.FIELD:VALUE, an int or a word; such a variant compiles nsa_flex itself, without
+nsa_attention's checks: compare it with variants of the same form), while its own
 torch.compile(fullgraph=True, dynamic=False) of nsa_attention traces. Inductor's graph caches are
 off: they key on the Dynamo graph, which does not see these settings, and would hand every
 variant the first one's code. Then the variants run in turn, --reps rounds of: each call timed
@@ -16,6 +20,7 @@ the largest difference of the output (and of dq, dk, dv) from the first variant'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import statistics
 from pathlib import Path
@@ -28,19 +33,26 @@ from nsa_flex.attention import nsa_attention
 from nsa_flex.bench.attention import attention_config
 from nsa_flex.bench.core import time_back_to_back, time_calls
 from nsa_flex.bench.impls import Problem, nsa_inputs
+from nsa_flex.flex import nsa_flex
+from nsa_flex.flex.tuning import FlexTiles
 
 MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels"}
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, dict[str, int]]]:
-    """"NAME=selected.KEY:INT,select.KEY:INT" -> (NAME, {"selected": {KEY: INT}, "select": {...}})."""
+def parse_variant(spec: str) -> tuple[str, dict[str, dict]]:
+    """"NAME=selected.KEY:INT,select.KEY:INT,tiles.FIELD:VALUE" -> (NAME, {"selected": {KEY: INT},
+    "select": {...}, "tiles": {FIELD: VALUE}})."""
     name, _, keys = spec.partition("=")
-    over: dict[str, dict[str, int]] = {m: {} for m in MODULES}
+    over: dict[str, dict] = {m: {} for m in (*MODULES, "tiles")}
     for item in ([] if keys in ("", "-") else keys.split(",")):
         key, _, value = item.partition(":")
         module, _, field = key.partition(".")
+        if module == "tiles" and field in {f.name for f in dataclasses.fields(FlexTiles)} and value:
+            over["tiles"][field] = int(value) if value.lstrip("-").isdigit() else value
+            continue
         if module not in MODULES or not field or not value:
-            raise ValueError(f"variant item {item!r}: expected MODULE.KEY:INT with MODULE one of {', '.join(MODULES)}")
+            raise ValueError(f"variant item {item!r}: expected MODULE.KEY:INT with MODULE one of {', '.join(MODULES)}, "
+                             "or tiles.FIELD:VALUE with a FlexTiles field")
         keys = importlib.import_module(MODULES[module]).TILE_KEYS
         if field not in keys:
             raise ValueError(f"variant item {item!r}: {module} has no key {field!r}; allowed: {', '.join(keys)}")
@@ -50,8 +62,13 @@ def parse_variant(spec: str) -> tuple[str, dict[str, dict[str, int]]]:
 
 def compiled_step(over: dict[str, dict[str, int]], x: dict, do, cfg, grad: bool):
     """A call of the op compiled with `over` in launch_config (its own code object: its own Dynamo cache)."""
-    namespace = {"nsa_attention": nsa_attention}
-    exec("def op(x, cfg):\n    return nsa_attention(**x, config=cfg, impl='flex', compiled=False)\n", namespace)
+    namespace = {"nsa_attention": nsa_attention, "nsa_flex": nsa_flex}
+    if over["tiles"]:
+        # nsa_attention takes no FlexTiles: such a variant calls the flex path itself.
+        namespace["tiles"] = FlexTiles(**over["tiles"])
+        exec("def op(x, cfg):\n    return nsa_flex(**x, config=cfg, tiles=tiles)[0]\n", namespace)
+    else:
+        exec("def op(x, cfg):\n    return nsa_attention(**x, config=cfg, impl='flex', compiled=False)\n", namespace)
     op = torch.compile(namespace["op"], fullgraph=True, dynamic=False)
     modules = {m: importlib.import_module(path) for m, path in MODULES.items()}
     originals = {m: mod.launch_config for m, mod in modules.items()}
