@@ -34,7 +34,7 @@ from nsa_flex.bench.attention import attention_config
 from nsa_flex.bench.core import time_back_to_back, time_calls
 from nsa_flex.bench.impls import Problem, nsa_inputs
 from nsa_flex.flex import nsa_flex
-from nsa_flex.flex.tuning import FlexTiles
+from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
 
 MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels"}
 
@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--commit", default="")
     args = p.parse_args()
     variants = dict(parse_variant(v) for v in args.variants)
+    install_flex_tuning()  # the variants that compile nsa_flex itself need it before tracing
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     bench_cfg = attention_config(device="cuda", preset=args.preset, impls=("nsa-flex",), dtype="bf16")
