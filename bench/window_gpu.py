@@ -97,12 +97,12 @@ def _kernel_row(shape, spec, q_fold, k, v, G, w, scale, grad, ref) -> dict:
     qd, kd, vd = (x.detach() for x in (q_fold, k, v))
     row = {"shape": shape, "what": f"window op kernels {spec}", **cfg}
     try:
-        o, lse = window_op.forward(qd, kd, vd, G, w, scale, cfg)
+        o, lse = window_op.forward(qd, kd, vd, G, w, scale, cfg)[:2]
         dq, dk, dv = window_op.backward(grad, qd, kd, vd, o, lse, G, w, scale, cfg)
         row["fwd_ms"] = bench_ms(lambda: window_op.forward(qd, kd, vd, G, w, scale, cfg))
         row["bwd_ms"] = bench_ms(lambda: window_op.backward(grad, qd, kd, vd, o, lse, G, w, scale, cfg))
         row["fwd_bwd_ms"] = bench_ms(lambda: window_op.backward(grad, qd, kd, vd, *window_op.forward(
-            qd, kd, vd, G, w, scale, cfg), G, w, scale, cfg))
+            qd, kd, vd, G, w, scale, cfg)[:2], G, w, scale, cfg))
         got = {"o": o.float(), "dq": dq.float(), "dk": dk.float(), "dv": dv.float()}
         if ref is not None:
             for name, value in got.items():

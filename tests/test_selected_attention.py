@@ -283,7 +283,7 @@ def _op_args(device="cpu", dtype=torch.float32, cu=None):
     q, k, v, _ = make_inputs(1, T, cfg, dtype, seed=1, device=device)
     bi = random_selection(1, 2, T, 4, 16, seed=1, cu_seqlens=cu).to(device=device, dtype=torch.int32)
     cu = None if cu is None else cu.to(device)
-    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bi, cu, 0.2, 16, "auto", 0)
+    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), bi, cu, 0.2, 16, "auto", 0, None, None)
 
 
 @pytest.mark.parametrize("cu", [None, torch.tensor([0, 30, 31, 90])], ids=["single", "packed"])
@@ -292,7 +292,7 @@ def test_opcheck_cpu(cu, folded):
     args = _op_args(cu=cu)
     if folded:
         q = args[0].detach()
-        args = (fold(q, 2, rows=q.shape[1] * 2 + 6).requires_grad_(), *args[1:-1], q.shape[2])
+        args = (fold(q, 2, rows=q.shape[1] * 2 + 6).requires_grad_(), *args[1:-3], q.shape[2], None, None)
     torch.library.opcheck(torch.ops.nsa_flex.selected_attention.default, args)
 
 

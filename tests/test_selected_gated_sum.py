@@ -158,5 +158,5 @@ def test_opcheck_cpu():
     q_fold = fold(q, 2, rows=80 + 6)
     bi = random_selection(1, 2, 40, 4, 16).int()
     torch.library.opcheck(torch.ops.nsa_flex.selected_gated_sum.default,
-                          (q_fold, k, v, bi, None, 0.2, 16, "auto", 4, cmp_rows, head, o_win, gates))
+                          (q_fold, k, v, bi, None, 0.2, 16, "auto", 4, cmp_rows, head, o_win, gates, None, None))
 

@@ -137,7 +137,7 @@ def test_kernels_interpreted_other_tiles(G, BM, BN, kv_BN, poisoned):
     q, k, v, do = make_inputs(1, 90, 1, G, 64, 64, torch.float32, 4, seed=3)
     scale = 64 ** -0.5
     for W in (50, 48):
-        o, lse = window_op.forward(q, k, v, G, W, scale, cfg)
+        o, lse, _, _ = window_op.forward(q, k, v, G, W, scale, cfg)
         check((o, *window_op.backward(do, q, k, v, o, lse, G, W, scale, cfg)), q, k, v, do, G, W)
 
 
@@ -169,7 +169,7 @@ def test_kernels_interpreted_causal():
 
 def _op_args():
     q, k, v, _ = make_inputs(1, 40, 2, 2, 16, 24, torch.float32, extra=4, seed=5)
-    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 2, 9, 0.25, "auto")
+    return (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 2, 9, 0.25, "auto", 0)
 
 
 def test_opcheck_cpu():
@@ -271,3 +271,118 @@ def test_whole_op_with_window_op_equals_the_reference(cmp_impl):
         o, sel = nsa_flex(**x, config=cfg, tiles=FlexTiles(win_impl="torch", cmp_impl=cmp_impl))
     assert torch.equal(sel.long(), sel_ref.long())
     assert (o - o_ref).abs().max() <= 100 * torch.finfo(torch.float64).eps
+
+
+# ----- the local blocks' partial (window_and_local) and its merge in the selected op -----
+
+def local_oracle(q, k, G, LB, v):
+    """(o_loc, lse_loc base 2) in fp64: softmax over keys (t // LB - 1) * LB .. t of each row."""
+    T = k.shape[1]
+    t = torch.arange(T)
+    mask = (t[None, :] <= t[:, None]) & (t[None, :] >= (t[:, None] // LB - 1) * LB)
+    q_bhtd = unfold(q[:, :, :T * G].double(), T).transpose(1, 2)
+    kh, vh = reference._heads(k, G, torch.float64), reference._heads(v, G, torch.float64)
+    scores = (q_bhtd @ kh.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+    o = scores.softmax(-1) @ vh
+    return fold(o.transpose(1, 2), k.shape[2]), fold(scores.logsumexp(-1).transpose(1, 2)[..., None], k.shape[2])[
+        ..., 0] / math.log(2)
+
+
+@pytest.mark.parametrize("G, LB, W", [(4, 16, 40), (1, 32, 64), (16, 16, 100)], ids=["G4-l16", "G1-l32", "G16-l16"])
+def test_local_partial_twin_matches_reference(G, LB, W):
+    q, k, v, _ = make_inputs(1, 130, 2, G, 16, 24, torch.float64, extra=3, seed=6)
+    o, _, o_loc, lse_loc = window_op.twin.forward(q, k, v, G, W, 0.25 * 0 + 16 ** -0.5, LB)
+    want_o, want_lse = local_oracle(q, k, G, LB, v)
+    torch.testing.assert_close(o_loc, want_o, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse_loc.double(), want_lse, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(o, window_op.twin.forward(q, k, v, G, W, 16 ** -0.5)[0], atol=0, rtol=0)
+
+
+def _local_cfg(BM, BN):
+    return {"fwd_BM": BM, "fwd_BN": BN, "fwd_warps": 4, "fwd_stages": 1, "dq_BM": 64, "dq_BN": 64, "dq_warps": 4,
+            "dq_stages": 1, "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1}
+
+
+LOCAL_KERNEL_CASES = [  # G, LB, W, BM, BN
+    pytest.param(4, 32, 64, 64, 16, id="G4-l32-W2l"),
+    pytest.param(2, 16, 50, 32, 16, id="G2-l16-one-block-per-tile"),
+    pytest.param(16, 32, 512, 64, 32, id="G16-l32-W-past-T"),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("G, LB, W, BM, BN", LOCAL_KERNEL_CASES)
+def test_local_partial_kernels_interpreted(G, LB, W, BM, BN, poisoned):
+    """The forward with the local partial: o and lse as without it (the same sums, in another
+    order), o_loc and lse_loc as the twin's."""
+    q, k, v, _ = make_inputs(1, 150, 1, G, 64, 64, torch.float32, extra=2, seed=7)
+    scale = 64 ** -0.5
+    o, lse, o_loc, lse_loc = window_op.forward(q, k, v, G, W, scale, _local_cfg(BM, BN), LB)
+    o0, lse0, _, _ = window_op.forward(q, k, v, G, W, scale, _local_cfg(BM, BN))
+    want_o, want_lse, want_ol, want_ll = window_op.twin.forward(q.double(), k.double(), v.double(), G, W, scale, LB)
+    torch.testing.assert_close(o, o0, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse, lse0, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(o_loc.double(), want_ol, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse_loc.double(), want_ll.double(), atol=2e-6, rtol=2e-6)
+
+
+def test_local_fits():
+    assert window_op.local_fits(4, 512, 64) and window_op.local_fits(16, 512, 64) and window_op.local_fits(1, 512, 64)
+    assert not window_op.local_fits(3, 512, 64)  # tiles would straddle selection blocks
+    assert not window_op.local_fits(4, 100, 64)  # the window would not hold the previous block whole
+    assert not window_op.local_fits(4, 512, 32)  # key blocks of 64 do not tile l' = 32
+    q, k, v, _ = make_inputs(1, 40, 1, 4, 64, 64, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        window_op.window_and_local(q, k, v, 4, 100, 64)
+
+
+@interpreter
+@pytest.mark.parametrize("gated", [False, True], ids=["selected", "selected-gated-sum"])
+def test_selected_op_merges_the_local_partial_interpreted(gated):
+    """The selected op's kernels with the window op's local partial (those slots skipped) equal
+    the same kernels without it, forward; into the gated sum's epilogue too. The selection lists
+    both local blocks of every token, as the selection op's does."""
+    from nsa_flex import NSAConfig
+    from nsa_flex.ops.selected_attention import launch
+    from test_selected_attention import random_selection
+
+    G, LB, W, T = 4, 32, 64, 250
+    cfg = NSAConfig(n_heads=2 * G, n_kv_heads=2, head_dim=64, head_dim_v=64, sel_block=LB, cmp_block=16,
+                    cmp_stride=16, n_selected=4)
+    q, k, v, _ = make_inputs(1, T, 2, G, 64, 64, torch.float32, seed=8)
+    scale = 64 ** -0.5
+    _, _, o_loc, lse_loc = window_op.forward(q, k, v, G, W, scale, _local_cfg(64, 16), LB)
+    # As the selection op forces them (n_initial = 1, n_local = 2): block 0, the one before the
+    # own and the own block in every row, then one random block of the past.
+    own = (torch.arange(T) // LB).view(1, 1, T)
+    past = random_selection(1, 2, T, 4, LB, seed=8)[..., 1]
+    bi = torch.stack([torch.zeros_like(past), (own - 1).clamp_min(0).expand_as(past), own.expand_as(past), past],
+                     -1).int()
+    # Token ranges of 96 tokens: the local partial is read at absolute tokens.
+    tiles = {"range_tokens": 96}
+    if not gated:
+        o, lse = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, local=(o_loc, lse_loc))
+        o0, lse0 = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G)
+        torch.testing.assert_close(lse, lse0, atol=2e-6, rtol=2e-6)
+    else:
+        from test_gated_sum import make_inputs as branch_inputs
+
+        x = branch_inputs(1, T, 2, G, 64, 0, 0, torch.float32, seed=8)
+        args = (x["cmp_rows"], x["head"], x["o_win"], x["gates"])
+        o = launch.forward_gated(q, k, v, bi, None, scale, LB, *args, tiles, q_heads=2 * G, local=(o_loc, lse_loc))
+        o0 = launch.forward_gated(q, k, v, bi, None, scale, LB, *args, tiles, q_heads=2 * G)
+    torch.testing.assert_close(o, o0, atol=2e-6, rtol=2e-6)
+
+
+def test_selected_op_refuses_a_local_partial_that_does_not_fit():
+    from nsa_flex import NSAConfig
+
+    cfg = NSAConfig(n_heads=4, n_kv_heads=1, head_dim=16, head_dim_v=16, sel_block=32, cmp_block=16, cmp_stride=16,
+                    n_selected=4)
+    q, k, v, _ = make_inputs(1, 40, 1, 4, 16, 16, torch.float32)
+    bi = torch.zeros(1, 1, 40, 4, dtype=torch.int32)
+    bad = (torch.zeros(1, 1, 159, 16), torch.zeros(1, 1, 159))
+    with pytest.raises(ValueError, match="local: o_loc"):
+        window_op  # noqa: B018 (the module under test is imported above)
+        from nsa_flex.ops.selected_attention import selected_attention
+        selected_attention(q, k, v, bi, cfg, folded=True, local=bad)

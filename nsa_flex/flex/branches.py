@@ -144,11 +144,13 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
+    forced_local = _forces_local(block_indices, config, tiles)
     o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-    o_win = window_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, q_room=qs.room)
+    o_win, local = window_and_local_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, qs.room,
+                                           with_local=k_win is k and forced_local)
     o = selected_gated_sum(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head,
-                           o_win, gates, scale=qs.scale, cu_seqlens=cu_seqlens, folded=True)
+                           o_win, gates, scale=qs.scale, cu_seqlens=cu_seqlens, folded=True, local=local)
     return o, block_indices
 
 
@@ -210,23 +212,34 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     q_fold, scale, docs = qs.fold, qs.scale, qs.docs
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
+    forced_local = _forces_local(block_indices, config, tiles)
     o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
+        k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
+        # The window first: its op hands the selected op the partial over the local blocks.
+        o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,
+                                               with_local=k_win is k and forced_local)
         # The op reads q in place from the folded copy the other calls keep: one saved copy of q.
         o_sel = selected_attention(qs.buffer, k, v, block_indices, config, scale=scale,
-                                   cu_seqlens=cu_seqlens, folded=True)
-        k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-    else:
-        keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
-        o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,
-                                       keys=keys), T)
-        if k_win is None:
-            # The window reads the same keys through a view of the selected branch's tensors: with
-            # initial-block copies those are new tensors, and one saved copy of K/V beats two.
-            k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
+                                   cu_seqlens=cu_seqlens, folded=True, local=local)
+        return o_cmp, o_sel, o_win, block_indices
+    keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
+    o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,
+                                   keys=keys), T)
+    if k_win is None:
+        # The window reads the same keys through a view of the selected branch's tensors: with
+        # initial-block copies those are new tensors, and one saved copy of K/V beats two.
+        k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs, q_room=qs.room)
     return o_cmp, o_sel, o_win, block_indices
+
+
+def _forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:
+    """Whether the window op's partial over each token's own block and the one before may stand for
+    those slots (tiles.local_partial): every token's selection lists both, as the selection op's
+    own (not given) does with n_local = 2."""
+    return tiles.local_partial and block_indices is None and config.n_local == 2
 
 
 def gated_sum(o_cmp: FoldedRows, o_sel, o_win, gates) -> torch.Tensor:
@@ -387,14 +400,27 @@ def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTile
     folded rows in place from q_room when given (the buffer q_fold is the first T*G rows of), or
     a Flex call with the window BlockMask.
     """
+    o, _ = window_and_local_branch(q_fold, k, v, config, scale, tiles, docs, q_room, with_local=False)
+    return o
+
+
+def window_and_local_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles,
+                            docs: Documents | None = None, q_room=None, with_local: bool = True):
+    """(o as window_branch gives it, local): local is the selected branch's partial over each
+    token's two local blocks (ops.window.window_and_local) where with_local, the window op runs
+    and its tiles fit (window_op.local_fits), else None. k, v: the selected branch's keys too."""
     T = k.shape[1]
     G = q_fold.shape[2] // T
     impl = window_impl(q_fold, k, v, tiles, docs)
-    if impl != "flex":
-        return window_op.window_attention(q_fold if q_room is None else q_room, k, v, G, config.window, scale=scale,
-                                          impl=impl)
-    mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, G, docs=docs)
-    return _call(_flex_win, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win")
+    q_win = q_fold if q_room is None else q_room
+    if impl == "flex":
+        mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, G, docs=docs)
+        return _call(_flex_win, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win"), None
+    if with_local and window_op.local_fits(G, config.window, config.sel_block):
+        o, o_loc, lse_loc = window_op.window_and_local(q_win, k, v, G, config.window, config.sel_block, scale=scale,
+                                                       impl=impl)
+        return o, (o_loc, lse_loc)
+    return window_op.window_attention(q_win, k, v, G, config.window, scale=scale, impl=impl), None
 
 
 def _dense_lse(q_bhrd, k_bhtd, mask, scale: float) -> torch.Tensor:

@@ -75,6 +75,13 @@ class FlexTiles:
     call with the window BlockMask) or "torch" (the op's torch twin: any device, for tests). None:
     triton where it applies, else flex."""
 
+    local_partial: bool = True
+    """Where the window op runs (win_impl "triton" / "torch"), its tiles fit
+    (ops.window.local_fits) and the selection is the op's own with n_local = 2: the window op
+    also returns the selected branch's partial over each token's own block and the one before,
+    and the block-centric selected op's forward merges it in place of those two slots. False:
+    the selected op computes every slot itself (the same values)."""
+
     def __post_init__(self) -> None:
         if self.win_impl not in (None, *WINDOW_IMPLS):
             raise ValueError(f"FlexTiles.win_impl={self.win_impl!r}: allowed None (where it applies) or "

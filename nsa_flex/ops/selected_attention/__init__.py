@@ -33,7 +33,7 @@ from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.gated_sum import check_branch_outputs
 from nsa_flex.ops.gated_sum import twin as gated_sum_twin
 from nsa_flex.ops.selected_attention import launch, twin
-from nsa_flex.ops.triton_utils import quiet_without_triton, runs_triton
+from nsa_flex.ops.triton_utils import dense, quiet_without_triton, runs_triton
 from nsa_flex.validate import check_4d, needs_grad
 
 _IMPLS = ("auto", "triton", "torch")
@@ -42,7 +42,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, *,
                        scale: float | None = None, cu_seqlens: Tensor | None = None, impl: str = "auto",
-                       folded: bool = False) -> Tensor:
+                       folded: bool = False, local: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """o [B,T,Hq,Dv] in q's dtype; differentiable in q, k, v.
 
     q [B,T,Hq,Dk], or with folded=True q [B,Hkv,R,Dk] in the folded layout (nsa_flex.folded; R >= T*G
@@ -53,18 +53,24 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     listed twice in a row counts once, as in the reference's mask). Blocks are config.sel_block tokens. cu_seqlens [n_docs+1] (B == 1): packed
     documents with document-local block ids. impl: "auto" (Triton on CUDA, else the twin),
     "triton" (the kernels on any device: CPU only under TRITON_INTERPRET=1) or "torch" (the twin).
+    local: (o_loc, lse_loc) that ops.window.window_and_local gave for these q, k, v, scale and
+    config.sel_block (one sequence per batch row): the forward's kernels merge it in place of the
+    slots listing a token's own selection block or the one before, which they skip. The twin and
+    the backward compute those slots themselves (the same values).
     """
     q_heads = config.n_heads if folded else 0
     _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads)
+    o_loc, lse_loc = _check_local(local, k, v, launch.query_heads(q, q_heads), cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, _ = torch.ops.nsa_flex.selected_attention(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl,
-                                                 q_heads)
+                                                 q_heads, o_loc, lse_loc)
     return o
 
 
 def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
                        cmp_head: int, o_win: Tensor, gates: Tensor, *, scale: float | None = None,
-                       cu_seqlens: Tensor | None = None, impl: str = "auto", folded: bool = False) -> Tensor:
+                       cu_seqlens: Tensor | None = None, impl: str = "auto", folded: bool = False,
+                       local: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """NSA's output o = g_cmp o_cmp + g_sel o_sel + g_win o_win [B,T,Hq,Dv] in q's dtype, without gradients.
 
     The selected branch (arguments as selected_attention) with nsa_flex::gated_sum (cmp_rows,
@@ -83,24 +89,27 @@ def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     B, T = k.shape[:2]
     out_shape = (B, T, launch.query_heads(q, q_heads), v.shape[-1])
     check_branch_outputs(cmp_rows, cmp_head, o_win, gates, out_shape, q.dtype, runs_triton(q, impl))
+    o_loc, lse_loc = _check_local(local, k, v, out_shape[2], cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return torch.ops.nsa_flex.selected_gated_sum(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl,
-                                                 q_heads, cmp_rows, cmp_head, o_win, gates)
+                                                 q_heads, cmp_rows, cmp_head, o_win, gates, o_loc, lse_loc)
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor],
-                  scale: float, sel_block: int, impl: str, q_heads: int) -> tuple[Tensor, Tensor]:
+                  scale: float, sel_block: int, impl: str, q_heads: int, o_loc: Optional[Tensor],
+                  lse_loc: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     if runs_triton(q, impl):
-        return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads)
+        return launch.forward(q, k, v, block_indices, cu_seqlens, scale, sel_block, q_heads=q_heads,
+                              local=_local(o_loc, lse_loc))
     return twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, cu_seqlens, scale, sel_block)
 
 
 def _gated_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cu_seqlens: Optional[Tensor], scale: float,
                 sel_block: int, impl: str, q_heads: int, cmp_rows: Tensor, cmp_head: int, o_win: Tensor,
-                gates: Tensor) -> Tensor:
+                gates: Tensor, o_loc: Optional[Tensor], lse_loc: Optional[Tensor]) -> Tensor:
     if runs_triton(q, impl):
         return launch.forward_gated(q, k, v, block_indices, cu_seqlens, scale, sel_block, cmp_rows, cmp_head, o_win,
-                                    gates, q_heads=q_heads)
+                                    gates, q_heads=q_heads, local=_local(o_loc, lse_loc))
     o_sel, _ = twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, cu_seqlens, scale, sel_block)
     return gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates)
 
@@ -113,6 +122,10 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     dq, dk, dv = twin.backward(do, _unfolded(q, k, q_heads), k, v, o, lse, block_indices, cu_seqlens, scale,
                                sel_block)
     return (fold(dq, k.shape[2], rows=q.shape[2]) if q_heads else dq), dk, dv
+
+
+def _local(o_loc: Optional[Tensor], lse_loc: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
+    return None if o_loc is None else dense(o_loc, lse_loc)
 
 
 def _unfolded(q: Tensor, k: Tensor, q_heads: int) -> Tensor:
@@ -130,7 +143,7 @@ with quiet_without_triton():
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads):
+def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads, o_loc, lse_loc):
     B, T = k.shape[:2]
     Hq = launch.query_heads(q, q_heads)
     return q.new_empty(B, T, Hq, v.shape[-1]), q.new_empty(B, Hq, T, dtype=torch.float32)
@@ -138,7 +151,7 @@ def _forward_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_
 
 @_gated_op.register_fake
 def _gated_fake(q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads, cmp_rows, cmp_head, o_win,
-                gates):
+                gates, o_loc, lse_loc):
     return q.new_empty(k.shape[0], k.shape[1], launch.query_heads(q, q_heads), v.shape[-1])
 
 
@@ -148,7 +161,7 @@ def _backward_fake(do, q, k, v, o, lse, block_indices, cu_seqlens, scale, sel_bl
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads = inputs
+    q, k, v, block_indices, cu_seqlens, scale, sel_block, impl, q_heads, _, _ = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, block_indices, cu_seqlens)
@@ -159,10 +172,28 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse, block_indices, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_backward(do, q, k, v, o, lse, block_indices, cu_seqlens,
                                                                 *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_local(local, k: Tensor, v: Tensor, Hq: int, cu_seqlens) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(o_loc, lse_loc) of `local`, or (None, None); the shapes ops.window.window_and_local gives."""
+    if local is None:
+        return None, None
+    o_loc, lse_loc = local
+    B, T, Hkv = k.shape[:3]
+    rows = T * (Hq // Hkv)
+    if cu_seqlens is not None:
+        raise ValueError("local (the window op's local partial) holds one sequence per batch row; packed "
+                         "documents (cu_seqlens) take local=None")
+    if o_loc.shape != (B, Hkv, rows, v.shape[-1]) or lse_loc.shape != (B, Hkv, rows) \
+            or lse_loc.dtype != torch.float32 or o_loc.device != k.device or lse_loc.device != k.device:
+        raise ValueError(f"local: o_loc {tuple(o_loc.shape)} and lse_loc {tuple(lse_loc.shape)} {lse_loc.dtype} must "
+                         f"be [{B}, {Hkv}, {rows}, {v.shape[-1]}] and float32 [{B}, {Hkv}, {rows}] on {k.device}, as "
+                         "ops.window.window_and_local gives them")
+    return o_loc, lse_loc
 
 
 def _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads: int = 0) -> None:

@@ -236,11 +236,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _slot_kernel(
-        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, T, TG, T0, Hkv,
+        part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, loc_ptr, loc_lse_ptr, T, TG, T0, Hkv,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
-        so_b, so_t, so_kv, so_g, sl_b, sl_h, sl_t,
+        so_b, so_t, so_kv, so_g, sl_b, sl_h, sl_t, sx_b, sx_h, sx_r, sxl_b, sxl_h,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        DP: tl.constexpr, MERGE: tl.constexpr,
+        DP: tl.constexpr, MERGE: tl.constexpr, LOCAL: tl.constexpr,
     ):
         """One (b, t, kv head h) of the range: for each of its G query heads, the n slots' partials
         [n, D] -> out [D] in out's dtype at token T0 + t (part, plse, gid: [B, T', ...] of the
@@ -250,7 +250,9 @@ if HAS_TRITON:
         The slots are walked one by one with the G heads' [G, D] rows in registers, so the sum
         needs no exchange between threads, and the slots' block ids are read once for the G heads.
         MERGE: softmax-weighted by the partial lse (base 2); also writes the global lse (natural
-        log, -inf when no slot saw a key). Else a plain sum (dQ). Slots that read nothing
+        log, -inf when no slot saw a key). LOCAL: one more partial, the window op's over the
+        token's two local blocks (loc [B, Hkv, R, D] folded, loc_lse [B, Hkv, R] base 2, rows at
+        absolute tokens; the index left those slots out). Else a plain sum (dQ). Slots that read nothing
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
         t >= T (rows of a folded buffer past the sequence) get zeros.
         """
@@ -259,7 +261,10 @@ if HAS_TRITON:
         live = t < T
         if MERGE:
             plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
-            out, lse = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, N, NP, GP, DP)
+            loc_rows, loc_lse = _local_rows(loc_ptr, loc_lse_ptr, b, h, T0 + t, g, d, sx_b, sx_h, sx_r, sxl_b,
+                                            sxl_h, G)
+            out, lse = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, loc_rows, loc_lse,
+                               N, NP, GP, DP, LOCAL)
             tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse, mask=g_ok)
         else:
             out = tl.zeros([GP, DP], tl.float32)
@@ -288,19 +293,35 @@ if HAS_TRITON:
         return b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row
 
     @triton.jit
-    def _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, N: tl.constexpr, NP: tl.constexpr,
-                GP: tl.constexpr, DP: tl.constexpr):
+    def _local_rows(loc_ptr, loc_lse_ptr, b, h, tok, g, d, sx_b, sx_h, sx_r, sxl_b, sxl_h, G: tl.constexpr):
+        """(loc row pointers [G', D'], loc lse pointers [G']) of token tok's G heads in the window
+        op's local partial (folded rows tok * G + g of kv head h; loc_lse rows dense)."""
+        r = (tok * G + g).to(tl.int64)
+        return (loc_ptr + b * sx_b + h * sx_h + r[:, None] * sx_r + d[None, :],
+                loc_lse_ptr + b * sxl_b + h * sxl_h + r)
+
+    @triton.jit
+    def _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, loc_rows, loc_lse, N: tl.constexpr,
+                NP: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, LOCAL: tl.constexpr):
         """(o [G', D'] fp32, lse [G'] natural log) of one (b, t, kv head): the n slots' partials
-        softmax-weighted by their partial lse (base 2). lse is -inf and o zero when no slot saw a
-        key. Slots that read nothing (gid -1) were never written and are not loaded."""
+        softmax-weighted by their partial lse (base 2), and with LOCAL the local blocks' partial at
+        loc_rows / loc_lse (pointers). lse is -inf and o zero when no slot saw a key. Slots that
+        read nothing (gid -1) were never written and are not loaded."""
         LN2: tl.constexpr = 0.6931471805599453
         n = tl.arange(0, NP)
         used = tl.load(gid_row + n, mask=(n < N) & live, other=-1) >= 0
         plse = tl.load(plse_row[:, None] + n[None, :], mask=g_ok[:, None] & used[None, :], other=float("-inf"))
         m = tl.max(plse, axis=1)
+        if LOCAL:
+            lse_l = tl.load(loc_lse, mask=g_ok & live, other=float("-inf"))
+            m = tl.maximum(m, lse_l)
         m = tl.where(m == float("-inf"), 0.0, m)
         den = tl.sum(tl.math.exp2(plse - m[:, None]), axis=1)
         acc = tl.zeros([GP, DP], tl.float32)
+        if LOCAL:
+            w_l = tl.math.exp2(lse_l - m)
+            den += w_l
+            acc += tl.load(loc_rows, mask=row_ok & live, other=0.0).to(tl.float32) * w_l[:, None]
         for slot in tl.static_range(N):
             ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
             w = tl.math.exp2(tl.load(plse_row + slot, mask=g_ok & ok, other=float("-inf")) - m)
@@ -312,11 +333,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _slot_gated_kernel(
-        part_ptr, plse_ptr, gid_ptr, cmp_ptr, win_ptr, gate_ptr, out_ptr, T, T0, Hkv, HEAD, RC,
+        part_ptr, plse_ptr, gid_ptr, cmp_ptr, win_ptr, gate_ptr, out_ptr, loc_ptr, loc_lse_ptr, T, T0, Hkv, HEAD, RC,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
-        sc_b, sc_h, sc_r, sw_b, sw_h, sw_r, sgt_b, sgt_t, sgt_h, so_b, so_t, so_h,
+        sc_b, sc_h, sc_r, sw_b, sw_h, sw_r, sgt_b, sgt_t, sgt_h, so_b, so_t, so_h, sx_b, sx_h, sx_r, sxl_b, sxl_h,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        DP: tl.constexpr,
+        DP: tl.constexpr, LOCAL: tl.constexpr,
     ):
         """_slot_kernel's merge with the gated sum as its epilogue (no autograd: forward only).
 
@@ -329,7 +350,10 @@ if HAS_TRITON:
         b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
             gid_ptr, T, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
         plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
-        o_sel, _ = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, N, NP, GP, DP)
+        loc_rows, loc_lse = _local_rows(loc_ptr, loc_lse_ptr, b, h, T0 + t, g, d, sx_b, sx_h, sx_r, sxl_b, sxl_h,
+                                        G)
+        o_sel, _ = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, loc_rows, loc_lse,
+                           N, NP, GP, DP, LOCAL)
         x_sel = o_sel.to(out_ptr.dtype.element_ty).to(tl.float32)
         r = (T0 + t) * G + g
         c = r - HEAD

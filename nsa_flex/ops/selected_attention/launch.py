@@ -185,45 +185,74 @@ def _ranges(T: int, R: int):
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
 
 
-def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0):
+def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0,
+            local=None):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path.
 
-    q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads)."""
+    q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads). local:
+    None, or (o_loc, lse_loc) from the window op (ops.window.window_and_local): the partial over
+    each token's two local blocks, merged in place of the slots that list them."""
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     G = Hq // Hkv
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-    for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads):
-        _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0)
+    for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
+                                               local is not None):
+        _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0, local=local)
     return o, lse
 
 
 def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, cmp_rows, head: int, o_win,
-                  gates, tiles=None, q_heads: int = 0):
+                  gates, tiles=None, q_heads: int = 0, local=None):
     """o = g_cmp o_cmp + g_sel o_sel + g_win o_win [B,T,Hq,Dv] in q's dtype on the Triton path: the
-    forward with nsa_flex::gated_sum as the slot merge's epilogue (shapes as gated_sum takes them)."""
+    forward with nsa_flex::gated_sum as the slot merge's epilogue (shapes as gated_sum takes them;
+    local as forward's)."""
     cmp_rows, o_win, gates = dense(cmp_rows, o_win, gates)
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
-    for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads):
+    for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
+                                               local is not None):
         _, Tr, _, n, D = po.shape
         if B * Tr * Hq == 0:
             continue
         gid = index.gid_bhtn
         GP = next_pow2(Hq // Hkv)
         DP = max(16, next_pow2(D))
+        loc, loc_lse, loc_strides = _local_args(local, index)
         wrap_triton(kernels._slot_gated_kernel)[(B * Tr * Hkv,)](
-            po, plse, gid, cmp_rows, o_win, gates, o, Tr, t0, Hkv, head, cmp_rows.shape[2], *po.stride()[:4],
-            *plse.stride()[:3], *gid.stride()[:3], *cmp_rows.stride()[:3], *o_win.stride()[:3], *gates.stride()[:3],
-            *o.stride()[:3], N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP, num_warps=_slot_warps(GP, DP))
+            po, plse, gid, cmp_rows, o_win, gates, o, loc, loc_lse, Tr, t0, Hkv, head, cmp_rows.shape[2],
+            *po.stride()[:4], *plse.stride()[:3], *gid.stride()[:3], *cmp_rows.stride()[:3], *o_win.stride()[:3],
+            *gates.stride()[:3], *o.stride()[:3], *loc_strides, N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP,
+            LOCAL=local is not None, num_warps=_slot_warps(GP, DP))
     return o
 
 
-def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles, q_heads: int):
+def _local_args(local, index: SelectionIndex):
+    """(loc, loc_lse, their 5 strides) for a merge kernel: the local partial's, or with none the
+    index's int32 row counts and offsets in their place (never read; no other argument aliases them)."""
+    if local is None:
+        return index.counts, index.offsets, (0, 0, 0, 0, 0)
+    o_loc, lse_loc = local
+    return o_loc, lse_loc, (*o_loc.stride()[:3], *lse_loc.stride()[:2])
+
+
+def without_local(block_indices: Tensor, sel_block: int, t0: int) -> Tensor:
+    """block_indices [B, Hkv, T', n] of tokens t0 .. t0 + T' - 1 with every slot listing the token's
+    own selection block or the one before set to -1 (unused): the window op's local partial
+    covers those two blocks."""
+    own = (torch.arange(block_indices.shape[2], device=block_indices.device) + t0) // sel_block
+    own = own.view(1, 1, -1, 1)
+    local = (block_indices == own) | (block_indices == own - 1)
+    return torch.where(local, -1, block_indices)
+
+
+def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles, q_heads: int,
+                    skip_local: bool = False):
     """The forward kernel range by range: yields (partial o [B, T', Hq, n, Dv], partial lse [B, T', Hq, n],
-    the range's SelectionIndex, its first token) for the caller's slot merge."""
+    the range's SelectionIndex, its first token) for the caller's slot merge. skip_local: the
+    slots of each token's two local blocks read nothing (without_local)."""
     q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
@@ -232,8 +261,10 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
     consts = _constexprs(q, v, G, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
     for t0, t1 in _ranges(T, R):
-        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
-                                       cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
+        selection = _range_of(block_indices, t0, t1)
+        if skip_local:
+            selection = without_local(selection, sel_block, t0)
+        index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -346,10 +377,11 @@ def _tracing(x: Tensor) -> bool:
     return torch.compiler.is_compiling() or type(x) is not Tensor or torch._guards.TracingContext.try_get() is not None
 
 
-def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0) -> None:
+def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0, local=None) -> None:
     """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
-    given) or summed (dQ, plse None); out_strides as _q_strides gives them. pad: that many tokens
-    after the range get zeros (rows of a folded dQ past the sequence)."""
+    given; with the local partial when given, as forward takes it) or summed (dQ, plse None);
+    out_strides as _q_strides gives them. pad: that many tokens after the range get zeros (rows
+    of a folded dQ past the sequence)."""
     B, T, Hq, n, D = part.shape
     if B * (T + pad) * Hq == 0:
         return
@@ -364,10 +396,11 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
     sp = plse_.stride()[:3] if merge else (0, 0, 0)
     sl = lse_.stride()[:3] if merge else (0, 0, 0)
     GP, DP = next_pow2(G), max(16, next_pow2(D))
+    loc, loc_lse, loc_strides = _local_args(local, index)
     wrap_triton(kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
-        part, plse_, gid, out, lse_, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
-        *out_strides, *sl, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
-        num_warps=_slot_warps(GP, DP))
+        part, plse_, gid, out, lse_, loc, loc_lse, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
+        *out_strides, *sl, *loc_strides, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
+        LOCAL=local is not None, num_warps=_slot_warps(GP, DP))
 
 
 def _slot_warps(GP: int, DP: int) -> int:

@@ -47,8 +47,37 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, *
     """
     _check_inputs(q, k, v, group, window, impl)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _ = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl)
+    o, _, _, _ = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, 0)
     return o
+
+
+def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, sel_block: int, *,
+                     scale: float | None = None, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """(o, o_loc, lse_loc): window_attention's o, and the selected branch's partial over each
+    token's two local selection blocks (its own, causally, and the one before), which the window
+    holds whole: o_loc [B, Hkv, T*G, Dv] normalised, lse_loc [B, Hkv, T*G] fp32 base 2, no
+    gradient. The kernels take those blocks first in a tile's walk, so the partial costs its
+    store only; nsa_flex::selected_attention merges it in place of those two slots.
+    Needs local_fits(group, window, sel_block); arguments otherwise as window_attention.
+    """
+    _check_inputs(q, k, v, group, window, impl)
+    if not local_fits(group, window, sel_block):
+        raise ValueError(f"window_and_local: group {group}, window {window}, sel_block {sel_block} do not fit "
+                         "(see local_fits: G a power of two, l' a multiple of the row tiles' tokens and of the "
+                         "key blocks, W >= 2 l')")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, _, o_loc, lse_loc = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, sel_block)
+    return o, o_loc, lse_loc
+
+
+def local_fits(group: int, window: int, sel_block: int) -> bool:
+    """Whether the local blocks' partial fits the kernels' tiles: every row tile's tokens lie in
+    one selection block (G a power of two, l' a multiple of BM / G), the key blocks tile l', and
+    the window holds both local blocks of every token (W >= 2 l')."""
+    cfg = launch_config(64, 64)
+    BM, BN = cfg["fwd_BM"], cfg["fwd_BN"]
+    return (group & (group - 1) == 0 and group <= BM and sel_block % (BM // group) == 0 and sel_block % BN == 0
+            and window >= 2 * sel_block)
 
 
 def launch_config(Dk: int, Dv: int) -> dict[str, int]:
@@ -68,29 +97,39 @@ def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
     return impl == "triton" or (impl == "auto" and kernels_apply(q, k, v))
 
 
-def _forward_impl(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float,
-                  impl: str) -> tuple[Tensor, Tensor]:
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float, impl: str,
+                  local_block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if not _runs_kernels(q, k, v, impl):
-        return twin.forward(q, k, v, group, window, scale)
-    return forward(q, k, v, group, window, scale, launch_config(q.shape[-1], v.shape[-1]))
+        return twin.forward(q, k, v, group, window, scale, local_block)
+    return forward(q, k, v, group, window, scale, launch_config(q.shape[-1], v.shape[-1]), local_block)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float,
-            cfg: dict[str, int]) -> tuple[Tensor, Tensor]:
-    """The forward kernel's launch: (o, lse base 2). cfg: as launch_config gives it."""
+def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float, cfg: dict[str, int],
+            local_block: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel's launch: (o, lse base 2, o_loc, lse_loc; the last two empty unless
+    local_block > 0, see window_and_local). cfg: as launch_config gives it."""
     q, k, v = dense(q, k, v)
     B, T, Hkv, Dk = k.shape
     R = T * group
     o = q.new_empty(B, Hkv, R, v.shape[-1])
     lse = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
+    o_loc, lse_loc = _local_buffers(q, k, v, group, local_block)
     if B * R * Hkv == 0:
-        return o, lse
+        return o, lse, o_loc, lse_loc
     BM = cfg["fwd_BM"]
     wrap_triton(kernels._fwd_kernel)[(-(-R // BM), B * Hkv)](
-        q, k, v, o, lse, T, R, Hkv, window, scale * math.log2(math.e), *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *o.stride()[:3], G=group, BM=BM, BN=cfg["fwd_BN"], DK=Dk, DV=v.shape[-1],
-        F32_DOT=not q.is_cuda, num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
-    return o, lse
+        q, k, v, o, lse, o_loc, lse_loc, T, R, Hkv, window, scale * math.log2(math.e), *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], G=group, BM=BM, BN=cfg["fwd_BN"], DK=Dk, DV=v.shape[-1],
+        LOCAL=local_block, F32_DOT=not q.is_cuda, num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+    return o, lse, o_loc, lse_loc
+
+
+def _local_buffers(q: Tensor, k: Tensor, v: Tensor, group: int, local_block: int) -> tuple[Tensor, Tensor]:
+    """(o_loc, lse_loc) as the forward writes them: o's and lse's shapes with a local partial, else empty."""
+    B, T, Hkv, _ = k.shape
+    R = T * group if local_block else 0
+    return (q.new_empty(B, Hkv, R, v.shape[-1]) if local_block else q.new_empty(0),
+            torch.empty((B, Hkv, R) if local_block else (0,), dtype=torch.float32, device=q.device))
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
@@ -134,9 +173,10 @@ with quiet_without_triton():
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, group, window, scale, impl):
+def _forward_fake(q, k, v, group, window, scale, impl, local_block):
     B, T, Hkv, _ = k.shape
-    return q.new_empty(B, Hkv, T * group, v.shape[-1]), q.new_empty(B, Hkv, T * group, dtype=torch.float32)
+    return (q.new_empty(B, Hkv, T * group, v.shape[-1]), q.new_empty(B, Hkv, T * group, dtype=torch.float32),
+            *_local_buffers(q, k, v, group, local_block))
 
 
 @_backward_op.register_fake
@@ -145,17 +185,17 @@ def _backward_fake(do, q, k, v, o, lse, group, window, scale, impl):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group, window, scale, impl = inputs
-    o, lse = output
-    ctx.mark_non_differentiable(lse)
+    q, k, v, group, window, scale, impl, _ = inputs
+    o, lse, o_loc, lse_loc = output
+    ctx.mark_non_differentiable(lse, o_loc, lse_loc)
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.args = (group, window, scale, impl)
 
 
-def _backward(ctx, do, _dlse):
+def _backward(ctx, do, _dlse, _do_loc, _dlse_loc):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.window_attention_backward(do, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)

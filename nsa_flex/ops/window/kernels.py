@@ -71,11 +71,16 @@ if HAS_TRITON:
         return acc, m_new, l_i
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, LSE, T, R, Hkv, W, scale2,
+    def _fwd_kernel(Q, K, V, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2,
                     s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    F32_DOT: tl.constexpr):
-        """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0)."""
+                    LOCAL: tl.constexpr, F32_DOT: tl.constexpr):
+        """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0).
+
+        LOCAL (> 0, NSA's selection block l'): the tile's tokens lie in one selection block j,
+        whose keys and those of block j - 1 the window holds whole (W >= 2 l'). Those blocks come
+        first, and the softmax over them alone, the selected branch's partial over its two local
+        blocks, goes to O_LOC / LSE_LOC (O's layout) before the walk goes on: no extra dot."""
         # Under Inductor a float argument arrives as a constexpr (a Python float, fp64 in the
         # arithmetic): fp32 it must be, for the loop-carried row max.
         sc2 = tl.cast(scale2, tl.float32)
@@ -92,6 +97,20 @@ if HAS_TRITON:
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, DV], tl.float32)
         first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
+        dv = tl.arange(0, DV)
+        out_rows = b * s_ob + h * s_oh + rows.to(tl.int64)[:, None] * s_or + dv[None, :]
+        if LOCAL > 0:
+            lo = tl.maximum((t0 // LOCAL - 1) * LOCAL, 0)
+            for n0 in range(lo, end, BN):
+                acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
+                                          s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
+            l_loc = tl.where(rows_ok, l_i, 1.0)
+            tl.store(O_LOC + out_rows, (acc / l_loc[:, None]).to(O_LOC.dtype.element_ty), mask=rows_ok[:, None])
+            tl.store(LSE_LOC + bh.to(tl.int64) * R + rows, m_i + tl.math.log2(l_loc), mask=rows_ok)
+            # The rest of the window lies before lo: no block there is cut by the diagonal.
+            mid_lo = tl.minimum(mid_lo, lo)
+            mid_hi = lo
+            end = lo
         for n0 in range(first, mid_lo, BN):
             acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
                                       s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
@@ -103,10 +122,7 @@ if HAS_TRITON:
                                       s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
         # Every real row sees its own key, so l_i > 0 there; pad rows are not stored.
         l_safe = tl.where(rows_ok, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        dv = tl.arange(0, DV)
-        tl.store(O + b * s_ob + h * s_oh + rows.to(tl.int64)[:, None] * s_or + dv[None, :], o.to(O.dtype.element_ty),
-                 mask=rows_ok[:, None])
+        tl.store(O + out_rows, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=rows_ok[:, None])
         tl.store(LSE + bh.to(tl.int64) * R + rows, m_i + tl.math.log2(l_safe), mask=rows_ok)
 
     @triton.jit

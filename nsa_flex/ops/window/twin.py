@@ -12,8 +12,9 @@ from torch import Tensor
 _CHUNK = 256
 
 
-def _chunks(q: Tensor, k: Tensor, group: int, window: int, scale: float, acc: torch.dtype):
-    """Per chunk of query tokens: (row slice, key slice, scores [B, Hkv, rows, keys] with -inf outside the window)."""
+def _chunks(q: Tensor, k: Tensor, group: int, window: int, scale: float, acc: torch.dtype, local_block: int = 0):
+    """Per chunk of query tokens: (row slice, key slice, scores [B, Hkv, rows, keys] with -inf outside
+    the window, and with local_block > 0 the mask of each row's two local selection blocks, else None)."""
     T = k.shape[1]
     for t0 in range(0, T, _CHUNK):
         t1 = min(T, t0 + _CHUNK)
@@ -23,21 +24,31 @@ def _chunks(q: Tensor, k: Tensor, group: int, window: int, scale: float, acc: to
         tok = torch.arange(t0 * group, t1 * group, device=q.device) // group
         key = torch.arange(s0, t1, device=q.device)
         seen = (key[None, :] <= tok[:, None]) & (key[None, :] > tok[:, None] - window)
-        yield rows, keys, scores.masked_fill(~seen, float("-inf"))
+        local = None
+        if local_block:
+            local = (key[None, :] <= tok[:, None]) & (key[None, :] >= (tok[:, None] // local_block - 1) * local_block)
+        yield rows, keys, scores.masked_fill(~seen, float("-inf")), local
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float) -> tuple[Tensor, Tensor]:
-    """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hkv, T*G] fp32, base 2): arguments as the op's."""
+def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float,
+            local_block: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hkv, T*G] fp32 base 2, o_loc, lse_loc: the same
+    over each row's two local selection blocks when local_block > 0, else empty): as the op's."""
     B, T, Hkv, _ = k.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     o = q.new_zeros(B, Hkv, T * group, v.shape[-1])
     lse = torch.zeros(B, Hkv, T * group, dtype=torch.float32, device=q.device)
-    for rows, keys, scores in _chunks(q, k, group, window, scale, acc):
-        chunk_lse = scores.logsumexp(-1)
-        p = (scores - chunk_lse[..., None]).exp()
-        o[:, :, rows] = (p @ v[:, keys].transpose(1, 2).to(acc)).to(q.dtype)
-        lse[:, :, rows] = (chunk_lse / math.log(2)).float()
-    return o, lse
+    o_loc, lse_loc = (torch.zeros_like(o), torch.zeros_like(lse)) if local_block else (q.new_empty(0), lse.new_empty(0))
+    for rows, keys, scores, local in _chunks(q, k, group, window, scale, acc, local_block):
+        v_c = v[:, keys].transpose(1, 2).to(acc)
+        for out, out_lse, s in ((o, lse, scores), (o_loc, lse_loc, None if local is None else
+                                                    scores.masked_fill(~local, float("-inf")))):
+            if s is None:
+                continue
+            chunk_lse = s.logsumexp(-1)
+            out[:, :, rows] = ((s - chunk_lse[..., None]).exp() @ v_c).to(q.dtype)
+            out_lse[:, :, rows] = (chunk_lse / math.log(2)).float()
+    return o, lse, o_loc, lse_loc
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, group: int, window: int,
@@ -47,7 +58,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, group: int, window: in
     acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
-    for rows, keys, scores in _chunks(q, k, group, window, scale, acc):
+    for rows, keys, scores, _ in _chunks(q, k, group, window, scale, acc):
         p = (scores - scores.logsumexp(-1, keepdim=True)).exp()
         k_c, v_c = (x[:, keys].transpose(1, 2).to(acc) for x in (k, v))
         do_c = do[:, :, rows].to(acc)
