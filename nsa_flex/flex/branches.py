@@ -1,11 +1,13 @@
 """NSA through FlexAttention: nsa_attention(..., impl="flex").
 
 compressed call (with lse: one causal cuDNN call over token groups where it applies, see
-compressed_groups, else a Flex call) -> selection op -> selected branch -> window Flex call -> gated
-sum. The selected branch is the block-centric op nsa_flex::selected_attention or a Flex call
-over folded tiles, whichever FlexTiles.selected_impl picks for the group size and length. Without
-gradients the block-centric path runs the gated sum inside the selected op's merge, so the window
-call comes before that op (nsa_flex_no_grad). The
+compressed_groups, else a Flex call) -> selection op -> window -> selected branch -> gated sum.
+The window is the op nsa_flex::window_attention where it applies (see window_impl), else a Flex
+call; the op also gives the selected branch its partial over each token's two local blocks. The
+selected branch is the block-centric op nsa_flex::selected_attention or a Flex call over folded
+tiles, whichever FlexTiles.selected_impl picks for the group size and length (with the Flex
+call the window comes after it and reads its keys). Without gradients the block-centric path
+runs the gated sum inside the selected op's merge (nsa_flex_no_grad). The
 Flex calls use the folded GQA layout, q [B, T, Hq, D] -> [B, Hkv, T*G, D] (row t*G + g = query
 head h*G + g at token t), so none goes through FlexAttention's enable_gqa path: on torch 2.11
 that path gave wrong dK/dV for the window branch in several configurations, while the folded
