@@ -341,12 +341,17 @@ def test_cli_never_overwrites_an_earlier_result_silently(monkeypatch, tmp_path):
 
 
 def test_op_ab_variants_parse_and_refuse_unknown_keys():
-    """bench.op_ab_gpu's variants: MODULE.KEY:INT items over each module's launch_config keys."""
+    """bench.op_ab_gpu's variants: MODULE.KEY:INT items over each module's launch_config keys, and
+    tiles.FIELD:VALUE over FlexTiles' fields."""
     from bench.op_ab_gpu import parse_variant
 
-    assert parse_variant("code=-") == ("code", {"selected": {}, "select": {}})
+    assert parse_variant("code=-") == ("code", {"selected": {}, "select": {}, "tiles": {}})
     assert parse_variant("x=selected.fwd_maxnreg:0,select.maxnreg:0,selected.bwd_chunks:32") == (
-        "x", {"selected": {"fwd_maxnreg": 0, "bwd_chunks": 32}, "select": {"maxnreg": 0}})
+        "x", {"selected": {"fwd_maxnreg": 0, "bwd_chunks": 32}, "select": {"maxnreg": 0}, "tiles": {}})
+    assert parse_variant("w=tiles.win_impl:flex,tiles.local_partial:0") == (
+        "w", {"selected": {}, "select": {}, "tiles": {"win_impl": "flex", "local_partial": 0}})
+    with pytest.raises(ValueError, match=r"or tiles.FIELD:VALUE with a FlexTiles field"):
+        parse_variant("x=tiles.no_such_field:1")
     with pytest.raises(ValueError, match=r"selected has no key 'fwd_maxreg'; allowed: fwd_BT, bwd_BT"):
         parse_variant("x=selected.fwd_maxreg:1")
     with pytest.raises(ValueError, match=r"expected MODULE.KEY:INT with MODULE one of selected, select"):
