@@ -40,6 +40,16 @@ if HAS_TRITON:
                        mask=keys[None, :] < T, other=0.0)
 
     @triton.jit
+    def _row_program(T, R, Hkv, G: tl.constexpr, BM: tl.constexpr):
+        """(bh, b, kv head h, rows [BM], rows < R, their tokens, first token t0, last token t1 < T)
+        of the row tile program_id(0) of (b, h) = program_id(1)."""
+        bh = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        t0 = tl.program_id(0) * BM // G
+        t1 = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)
+        return bh, (bh // Hkv).to(tl.int64), bh % Hkv, rows, rows < R, rows // G, t0, t1
+
+    @triton.jit
     def _row_parts(t0, t1, W, BN: tl.constexpr):
         """Key block starts of a tile of tokens t0..t1: (first, first unmasked, first cut by the
         diagonal, end). Blocks in [first, mid_lo) are cut by the window's start, [mid_lo,
@@ -84,14 +94,7 @@ if HAS_TRITON:
         # Under Inductor a float argument arrives as a constexpr (a Python float, fp64 in the
         # arithmetic): fp32 it must be, for the loop-carried row max.
         sc2 = tl.cast(scale2, tl.float32)
-        bh = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        rows_ok = rows < R
-        tok = rows // G
-        t0 = tl.program_id(0) * BM // G
-        t1 = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)
+        bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM)
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
@@ -148,14 +151,7 @@ if HAS_TRITON:
         delta of its rows."""
         sc = tl.cast(scale, tl.float32)
         sc2 = tl.cast(scale2, tl.float32)
-        bh = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        rows_ok = rows < R
-        tok = rows // G
-        t0 = tl.program_id(0) * BM // G
-        t1 = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)
+        bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM)
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
         do = _row_tile(DO, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
         o = _row_tile(O, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
