@@ -269,19 +269,26 @@ def compressed_impl(q_fold, k_cmp, v_cmp, tiles: FlexTiles, docs: Documents | No
     """The compressed branch's implementation: tiles.cmp_impl, or cudnn where it applies, else flex.
 
     q_fold: the queries, folded or not (only their device, dtype and head dim are read)."""
-    applies = compressed_groups.cudnn_applies(q_fold, k_cmp, v_cmp)
-    match tiles.cmp_impl:
+    needs = (f"CUDA tensors in {compressed_groups.CUDNN_DTYPES} with Dk = Dv in {compressed_groups.CUDNN_HEAD_DIMS}; "
+             f"got {q_fold.device.type}, {q_fold.dtype}, Dk={q_fold.shape[-1]}, Dv={v_cmp.shape[-1]}")
+    return _impl_choice("cmp_impl", tiles.cmp_impl, "cudnn", compressed_groups.cudnn_applies(q_fold, k_cmp, v_cmp),
+                        docs, needs)
+
+
+def _impl_choice(field: str, chosen: str | None, fast: str, applies: bool, docs: Documents | None, needs: str) -> str:
+    """The implementation FlexTiles.<field> picks for a branch: `chosen`, or with None the `fast`
+    one where it applies (and no packed documents), else flex. Every choice but flex runs one
+    sequence per batch row; `fast` needs what `needs` says (where it does not apply)."""
+    match chosen:
         case None:
-            return "cudnn" if applies and docs is None else "flex"
-        case "cudnn" | "torch" if docs is not None:
-            raise ValueError(f"FlexTiles.cmp_impl={tiles.cmp_impl!r} runs one sequence per batch row; packed "
-                             "documents (cu_seqlens) take cmp_impl='flex' or None")
-        case "cudnn" if not applies:
-            raise ValueError(f"FlexTiles.cmp_impl='cudnn' needs CUDA tensors in {compressed_groups.CUDNN_DTYPES} "
-                             f"with Dk = Dv in {compressed_groups.CUDNN_HEAD_DIMS}; got {q_fold.device.type}, "
-                             f"{q_fold.dtype}, Dk={q_fold.shape[-1]}, Dv={v_cmp.shape[-1]}. Use cmp_impl=None")
+            return fast if applies and docs is None else "flex"
+        case _ if chosen != "flex" and docs is not None:
+            raise ValueError(f"FlexTiles.{field}={chosen!r} runs one sequence per batch row; packed documents "
+                             f"(cu_seqlens) take {field}='flex' or None")
+        case _ if chosen == fast and not applies:
+            raise ValueError(f"FlexTiles.{field}={fast!r} needs {needs}. Use {field}=None")
         case _:
-            return tiles.cmp_impl
+            return chosen
 
 
 def compressed_branch(q_fold, k_cmp, v_cmp, config: NSAConfig, scale: float, tiles: FlexTiles,
@@ -379,19 +386,9 @@ def with_initial_copies(x_bhtd: torch.Tensor, copies: InitialCopies) -> torch.Te
 
 def window_impl(q_fold, k, v, tiles: FlexTiles, docs: Documents | None = None) -> str:
     """The window branch's implementation: tiles.win_impl, or triton where it applies, else flex."""
-    applies = window_op.kernels_apply(q_fold, k, v)
-    match tiles.win_impl:
-        case None:
-            return "triton" if applies and docs is None else "flex"
-        case "triton" | "torch" if docs is not None:
-            raise ValueError(f"FlexTiles.win_impl={tiles.win_impl!r} runs one sequence per batch row; packed "
-                             "documents (cu_seqlens) take win_impl='flex' or None")
-        case "triton" if not applies:
-            raise ValueError(f"FlexTiles.win_impl='triton' needs CUDA tensors in {window_op.KERNEL_DTYPES} with Dk "
-                             f"and Dv in {window_op.HEAD_DIMS}; got {q_fold.device.type}, {q_fold.dtype}, "
-                             f"Dk={q_fold.shape[-1]}, Dv={v.shape[-1]}. Use win_impl=None")
-        case _:
-            return tiles.win_impl
+    needs = (f"CUDA tensors in {window_op.KERNEL_DTYPES} with Dk and Dv in {window_op.HEAD_DIMS}; got "
+             f"{q_fold.device.type}, {q_fold.dtype}, Dk={q_fold.shape[-1]}, Dv={v.shape[-1]}")
+    return _impl_choice("win_impl", tiles.win_impl, "triton", window_op.kernels_apply(q_fold, k, v), docs, needs)
 
 
 def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles, docs: Documents | None = None,
