@@ -13,8 +13,8 @@ gradients (q, k, v; one fixed output gradient) from the first variant's (the til
 bf16 sums; a wrong kernel option shows as a large difference or NaN). --kernels: the op
 nsa_flex::window_attention's launches (ops.window.forward / backward, called directly) with
 launch_config's settings, each variant "default" or "key=int,..." over them: forward, backward
-(its two kernels) and forward+backward medians, and the same differences from the first Flex variant. --max-autotune lets
-Inductor time its own candidate tiles for every variant (the winners go to stderr as
+(its two kernels) and forward+backward medians, and the same differences from the first Flex
+variant. --max-autotune lets Inductor time its own candidate tiles for every variant (the winners go to stderr as
 "Autotune Choices Stats"). Then the cost of the window as
 two causal attention calls over w-token chunks (queries of chunk i over the keys of chunk i,
 and w-1 reversed queries over the w-1 reversed keys before the chunk; design in
