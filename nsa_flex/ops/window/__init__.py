@@ -58,10 +58,10 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
     holds whole: o_loc [B, Hkv, T*G, Dv] normalised, lse_loc [B, Hkv, T*G] fp32 base 2, no
     gradient. The kernels take those blocks first in a tile's walk, so the partial costs its
     store only; nsa_flex::selected_attention merges it in place of those two slots.
-    Needs local_fits(group, window, sel_block); arguments otherwise as window_attention.
+    Needs local_fits(group, window, sel_block, Dk, Dv); arguments otherwise as window_attention.
     """
     _check_inputs(q, k, v, group, window, impl)
-    if not local_fits(group, window, sel_block):
+    if not local_fits(group, window, sel_block, q.shape[-1], v.shape[-1]):
         raise ValueError(f"window_and_local: group {group}, window {window}, sel_block {sel_block} do not fit "
                          "(see local_fits: G a power of two, l' a multiple of the row tiles' tokens and of the "
                          "key blocks, W >= 2 l')")
@@ -70,11 +70,12 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
     return o, o_loc, lse_loc
 
 
-def local_fits(group: int, window: int, sel_block: int) -> bool:
-    """Whether the local blocks' partial fits the kernels' tiles: every row tile's tokens lie in
-    one selection block (G a power of two, l' a multiple of BM / G), the key blocks tile l', and
-    the window holds both local blocks of every token (W >= 2 l')."""
-    cfg = launch_config(64, 64)
+def local_fits(group: int, window: int, sel_block: int, Dk: int = 64, Dv: int = 64) -> bool:
+    """Whether the local blocks' partial fits the kernels' tiles (launch_config(Dk, Dv)'s, the ones
+    the forward launches with): every row tile's tokens lie in one selection block (G a power of
+    two, l' a multiple of BM / G), the key blocks tile l', and the window holds both local blocks
+    of every token (W >= 2 l')."""
+    cfg = launch_config(Dk, Dv)
     BM, BN = cfg["fwd_BM"], cfg["fwd_BN"]
     return (group & (group - 1) == 0 and group <= BM and sel_block % (BM // group) == 0 and sel_block % BN == 0
             and window >= 2 * sel_block)
