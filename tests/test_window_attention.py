@@ -382,7 +382,20 @@ def test_selected_op_refuses_a_local_partial_that_does_not_fit():
     q, k, v, _ = make_inputs(1, 40, 1, 4, 16, 16, torch.float32)
     bi = torch.zeros(1, 1, 40, 4, dtype=torch.int32)
     bad = (torch.zeros(1, 1, 159, 16), torch.zeros(1, 1, 159))
+    from nsa_flex.ops.selected_attention import _with_window_local
+
     with pytest.raises(ValueError, match="local: o_loc"):
-        window_op  # noqa: B018 (the module under test is imported above)
-        from nsa_flex.ops.selected_attention import selected_attention
-        selected_attention(q, k, v, bi, cfg, folded=True, local=bad)
+        _with_window_local(q, k, v, bi, cfg, bad, folded=True)
+
+
+def test_public_selected_ops_take_no_local_partial():
+    """The local partial is trusted, not checked against the selection: only the flex path, which
+    knows its selection lists the local blocks, may hand it in; the public ops refuse it."""
+    from nsa_flex.ops import selected_attention, selected_gated_sum
+
+    q = torch.zeros(1, 40, 4, 16)
+    with pytest.raises(TypeError, match="local"):
+        selected_attention(q, q[:, :, :1], q[:, :, :1], torch.zeros(1, 1, 40, 4, dtype=torch.int32), None,
+                           local=(q, q))
+    with pytest.raises(TypeError, match="local"):
+        selected_gated_sum(q, q, q, q, None, q, 0, q, q, local=(q, q))

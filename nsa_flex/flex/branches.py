@@ -39,6 +39,7 @@ from nsa_flex.flex.masks.documents import Documents, documents
 from nsa_flex.flex.masks.selection import InitialCopies, initial_copies
 from nsa_flex.ops import select_blocks
 from nsa_flex.ops.selected_attention import selected_attention, selected_gated_sum
+from nsa_flex.ops.selected_attention import _gated_with_window_local, _with_window_local
 from nsa_flex.flex.blockmask import query_chunks
 from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.folded import FoldedRows, unfold
@@ -151,8 +152,12 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     o_win, local = window_and_local_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, qs.room,
                                            with_local=k_win is k and forced_local)
-    o = selected_gated_sum(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head,
-                           o_win, gates, scale=qs.scale, cu_seqlens=cu_seqlens, folded=True, local=local)
+    if local is None:
+        o = selected_gated_sum(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, o_win, gates,
+                               scale=qs.scale, cu_seqlens=cu_seqlens, folded=True)
+    else:
+        o = _gated_with_window_local(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, o_win, gates,
+                                     local, scale=qs.scale, folded=True)
     return o, block_indices
 
 
@@ -223,8 +228,11 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
         o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,
                                                with_local=k_win is k and forced_local)
         # The op reads q in place from the folded copy the other calls keep: one saved copy of q.
-        o_sel = selected_attention(qs.buffer, k, v, block_indices, config, scale=scale,
-                                   cu_seqlens=cu_seqlens, folded=True, local=local)
+        if local is None:
+            o_sel = selected_attention(qs.buffer, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens,
+                                       folded=True)
+        else:
+            o_sel = _with_window_local(qs.buffer, k, v, block_indices, config, local, scale=scale, folded=True)
         return o_cmp, o_sel, o_win, block_indices
     keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
     o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,

@@ -42,7 +42,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, *,
                        scale: float | None = None, cu_seqlens: Tensor | None = None, impl: str = "auto",
-                       folded: bool = False, local: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                       folded: bool = False) -> Tensor:
     """o [B,T,Hq,Dv] in q's dtype; differentiable in q, k, v.
 
     q [B,T,Hq,Dk], or with folded=True q [B,Hkv,R,Dk] in the folded layout (nsa_flex.folded; R >= T*G
@@ -53,14 +53,31 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     listed twice in a row counts once, as in the reference's mask). Blocks are config.sel_block tokens. cu_seqlens [n_docs+1] (B == 1): packed
     documents with document-local block ids. impl: "auto" (Triton on CUDA, else the twin),
     "triton" (the kernels on any device: CPU only under TRITON_INTERPRET=1) or "torch" (the twin).
-    local: (o_loc, lse_loc) that ops.window.window_and_local gave for these q, k, v, scale and
-    config.sel_block (one sequence per batch row): the forward's kernels merge it in place of the
-    slots listing a token's own selection block or the one before, which they skip. The twin and
-    the backward compute those slots themselves (the same values).
     """
+    return _attend(q, k, v, block_indices, config, scale, cu_seqlens, impl, folded, None)
+
+
+def _with_window_local(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig,
+                       local: tuple[Tensor, Tensor], *, scale: float | None = None, impl: str = "auto",
+                       folded: bool = False) -> Tensor:
+    """selected_attention whose forward takes the window op's partial over the local blocks.
+
+    Not public: it trusts what it is given. local is (o_loc, lse_loc) as ops.window.window_and_local
+    gave them for these q, k, v, scale and config.sel_block, and block_indices lists each token's
+    own selection block and the one before (the selection op's own selection with n_local = 2).
+    The forward's kernels merge the partial in place of the slots listing those blocks, which they
+    skip; the twin and the backward compute those slots themselves (the same values). A partial of
+    other inputs, or a selection without those blocks, would give a wrong forward: the flex path
+    calls this only where both hold (flex.branches._forces_local).
+    """
+    return _attend(q, k, v, block_indices, config, scale, None, impl, folded, local)
+
+
+def _attend(q, k, v, block_indices, config: NSAConfig, scale, cu_seqlens, impl: str, folded: bool,
+            local) -> Tensor:
     q_heads = config.n_heads if folded else 0
     _check_inputs(q, k, v, block_indices, cu_seqlens, impl, q_heads)
-    o_loc, lse_loc = _check_local(local, k, v, launch.query_heads(q, q_heads), cu_seqlens)
+    o_loc, lse_loc = _check_local(local, k, v, launch.query_heads(q, q_heads))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, _ = torch.ops.nsa_flex.selected_attention(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl,
                                                  q_heads, o_loc, lse_loc)
@@ -69,8 +86,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
 
 def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
                        cmp_head: int, o_win: Tensor, gates: Tensor, *, scale: float | None = None,
-                       cu_seqlens: Tensor | None = None, impl: str = "auto", folded: bool = False,
-                       local: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                       cu_seqlens: Tensor | None = None, impl: str = "auto", folded: bool = False) -> Tensor:
     """NSA's output o = g_cmp o_cmp + g_sel o_sel + g_win o_win [B,T,Hq,Dv] in q's dtype, without gradients.
 
     The selected branch (arguments as selected_attention) with nsa_flex::gated_sum (cmp_rows,
@@ -79,6 +95,21 @@ def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     ...): o_sel is rounded to q's dtype before the sum, as that op's output is. No backward: call it
     where no input needs a gradient (inference); training keeps o_sel for the gates' backward.
     """
+    return _gated(q, k, v, block_indices, config, cmp_rows, cmp_head, o_win, gates, scale, cu_seqlens, impl, folded,
+                  None)
+
+
+def _gated_with_window_local(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig,
+                             cmp_rows: Tensor, cmp_head: int, o_win: Tensor, gates: Tensor,
+                             local: tuple[Tensor, Tensor], *, scale: float | None = None, impl: str = "auto",
+                             folded: bool = False) -> Tensor:
+    """selected_gated_sum with the window op's local partial; not public, for what it trusts see
+    _with_window_local."""
+    return _gated(q, k, v, block_indices, config, cmp_rows, cmp_head, o_win, gates, scale, None, impl, folded, local)
+
+
+def _gated(q, k, v, block_indices, config: NSAConfig, cmp_rows, cmp_head: int, o_win, gates, scale, cu_seqlens,
+           impl: str, folded: bool, local) -> Tensor:
     if needs_grad(q, k, v, cmp_rows, o_win, gates):
         raise RuntimeError("selected_gated_sum has no backward: call it under torch.no_grad() or "
                            "torch.inference_mode(), or use selected_attention and gated_sum for gradients")
@@ -89,7 +120,7 @@ def selected_gated_sum(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     B, T = k.shape[:2]
     out_shape = (B, T, launch.query_heads(q, q_heads), v.shape[-1])
     check_branch_outputs(cmp_rows, cmp_head, o_win, gates, out_shape, q.dtype, runs_triton(q, impl))
-    o_loc, lse_loc = _check_local(local, k, v, out_shape[2], cu_seqlens)
+    o_loc, lse_loc = _check_local(local, k, v, out_shape[2])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return torch.ops.nsa_flex.selected_gated_sum(q, k, v, block_indices, cu_seqlens, scale, config.sel_block, impl,
                                                  q_heads, cmp_rows, cmp_head, o_win, gates, o_loc, lse_loc)
@@ -178,16 +209,14 @@ def _backward(ctx, do, _dlse):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_local(local, k: Tensor, v: Tensor, Hq: int, cu_seqlens) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """(o_loc, lse_loc) of `local`, or (None, None); the shapes ops.window.window_and_local gives."""
+def _check_local(local, k: Tensor, v: Tensor, Hq: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(o_loc, lse_loc) of `local`, or (None, None); the shapes ops.window.window_and_local gives
+    (one sequence per batch row: the callers that take a partial have no cu_seqlens)."""
     if local is None:
         return None, None
     o_loc, lse_loc = local
     B, T, Hkv = k.shape[:3]
     rows = T * (Hq // Hkv)
-    if cu_seqlens is not None:
-        raise ValueError("local (the window op's local partial) holds one sequence per batch row; packed "
-                         "documents (cu_seqlens) take local=None")
     if o_loc.shape != (B, Hkv, rows, v.shape[-1]) or lse_loc.shape != (B, Hkv, rows) \
             or lse_loc.dtype != torch.float32 or o_loc.device != k.device or lse_loc.device != k.device:
         raise ValueError(f"local: o_loc {tuple(o_loc.shape)} and lse_loc {tuple(lse_loc.shape)} {lse_loc.dtype} must "
