@@ -2,8 +2,10 @@
 
     python -m bench.op_ab_gpu --out $OUT/op_ab.json --preset g4 -T 32768 65536 --modes fwd fwd+bwd \\
         --variants code=- no_caps=selected.fwd_maxnreg:0,select.maxnreg:0 chunks16=selected.bwd_chunks:16
-    python -m bench.op_ab_gpu --out $OUT/window_ab.json -T 8192 65536 \
+    python -m bench.op_ab_gpu --out $OUT/window_ab.json -T 8192 65536 \\
         --variants window_op=tiles.win_impl:triton flex_window=tiles.win_impl:flex
+    python -m bench.op_ab_gpu --out $OUT/g3_ab.json --heads 12 --kv-heads 4 -T 65536 \\
+        --variants local=tiles.local_partial:1 no_local=tiles.local_partial:0
 
 Each variant (NAME=MODULE.KEY:VALUE,...; "-" for none) overrides launch_config's keys of the
 selected op (selected.KEY:INT) and of the selection kernel (select.KEY:INT), and FlexTiles'
@@ -113,6 +115,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--preset", default="g4", help="an nsa-flex bench attention preset (g4, bench, ...)")
+    p.add_argument("--heads", type=int, default=None, help="Hq instead of the preset's")
+    p.add_argument("--kv-heads", type=int, default=None, help="Hkv instead of the preset's")
     p.add_argument("-T", "--seq-lens", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--variants", nargs="+", default=["code=-", "no_caps=selected.fwd_maxnreg:0,select.maxnreg:0"])
@@ -124,9 +128,11 @@ def main() -> None:
     install_flex_tuning()  # the variants that compile nsa_flex itself need it before tracing
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    bench_cfg = attention_config(device="cuda", preset=args.preset, impls=("nsa-flex",), dtype="bf16")
+    bench_cfg = attention_config(device="cuda", preset=args.preset, impls=("nsa-flex",), dtype="bf16",
+                                 nsa_overrides={"n_heads": args.heads, "n_kv_heads": args.kv_heads})
     cfg = bench_cfg.nsa
-    _, add = row_recorder(args.out, {**header(args.commit), "preset": args.preset, "variants": variants})
+    _, add = row_recorder(args.out, {**header(args.commit), "preset": args.preset, "nsa": dataclasses.asdict(cfg),
+                                     "variants": variants})
     for mode in args.modes:
         for T in args.seq_lens:
             grad = mode == "fwd+bwd"

@@ -87,6 +87,9 @@ CASES = [
     pytest.param(1, 2, 128, 64, 77, 1, BF16, 3, 32, id="G1-Dk128-Dv64-T77-bf16"),
     # Dk = Dv = 128, 16-bit: the compressed branch runs the grouped cuDNN call, the selected one the block op.
     pytest.param(4, 2, 128, 128, 1111, 2, BF16, 16, 512, id="G4-D128-T1111-B2-bf16"),
+    # G not a power of two: the window op's row tiles cross selection blocks, its local partial walks a loop more.
+    pytest.param(3, 2, 128, 128, 1111, 1, BF16, 16, 512, id="G3-D128-T1111-bf16"),
+    pytest.param(6, 1, 64, 64, 1500, 1, FP16, 16, 256, id="G6-D64-T1500-fp16"),
 ]
 
 

@@ -204,6 +204,7 @@ def test_kernels_apply_only_on_cuda_16_bit():
 GPU_CASES = [  # T, Hkv, G, Dk, Dv, dtype
     (1000, 2, 1, 64, 64, torch.bfloat16), (1000, 2, 4, 128, 128, torch.bfloat16), (1000, 1, 16, 128, 64, torch.float16),
     (4096, 3, 4, 64, 64, torch.bfloat16), (4096, 2, 2, 64, 128, torch.bfloat16), (4099, 4, 4, 128, 128, torch.float16),
+    (1000, 2, 3, 128, 128, torch.bfloat16),
 ]
 
 
@@ -288,7 +289,8 @@ def local_oracle(q, k, G, LB, v):
         ..., 0] / math.log(2)
 
 
-@pytest.mark.parametrize("G, LB, W", [(4, 16, 40), (1, 32, 64), (16, 16, 100)], ids=["G4-l16", "G1-l32", "G16-l16"])
+@pytest.mark.parametrize("G, LB, W", [(4, 16, 40), (1, 32, 64), (16, 16, 100), (3, 16, 32)],
+                         ids=["G4-l16", "G1-l32", "G16-l16", "G3-l16"])
 def test_local_partial_twin_matches_reference(G, LB, W):
     q, k, v, _ = make_inputs(1, 130, 2, G, 16, 24, torch.float64, extra=3, seed=6)
     o, _, o_loc, lse_loc = window_op.twin.forward(q, k, v, G, W, 0.25 * 0 + 16 ** -0.5, LB)
@@ -307,6 +309,10 @@ LOCAL_KERNEL_CASES = [  # G, LB, W, BM, BN
     pytest.param(4, 32, 64, 64, 16, id="G4-l32-W2l"),
     pytest.param(2, 16, 50, 32, 16, id="G2-l16-one-block-per-tile"),
     pytest.param(16, 32, 512, 64, 32, id="G16-l32-W-past-T"),
+    # Tiles whose tokens cross a selection block's end: G not a power of two, or l' < BM / G.
+    pytest.param(3, 16, 40, 64, 16, id="G3-l16-tiles-cross-blocks"),
+    pytest.param(6, 32, 64, 32, 16, id="G6-l32-W2l"),
+    pytest.param(1, 16, 48, 64, 16, id="G1-l16-tile-over-four-blocks"),
 ]
 
 
@@ -326,11 +332,19 @@ def test_local_partial_kernels_interpreted(G, LB, W, BM, BN, poisoned):
     torch.testing.assert_close(lse_loc.double(), want_ll.double(), atol=2e-6, rtol=2e-6)
 
 
+def test_tiles_cross():
+    """Whether a row tile may hold tokens of two selection blocks, the case the forward's extra loop is for."""
+    assert not window_op.tiles_cross(4, 64, 64) and not window_op.tiles_cross(16, 64, 64)
+    assert not window_op.tiles_cross(1, 64, 64) and not window_op.tiles_cross(2, 16, 32)
+    assert window_op.tiles_cross(3, 64, 64) and window_op.tiles_cross(6, 64, 64)
+    assert window_op.tiles_cross(1, 16, 64)  # 64 tokens a tile, blocks of 16
+    assert window_op.tiles_cross(128, 64, 64)  # a token's rows fill more than one tile
+
+
 def test_local_fits():
-    assert window_op.local_fits(4, 512, 64) and window_op.local_fits(16, 512, 64) and window_op.local_fits(1, 512, 64)
-    assert not window_op.local_fits(3, 512, 64)  # tiles would straddle selection blocks
-    assert not window_op.local_fits(4, 100, 64)  # the window would not hold the previous block whole
-    assert not window_op.local_fits(4, 512, 32)  # key blocks of 64 do not tile l' = 32
+    assert window_op.local_fits(512, 64) and window_op.local_fits(128, 64) and window_op.local_fits(512, 128)
+    assert not window_op.local_fits(100, 64)  # the window would not hold the previous block whole
+    assert not window_op.local_fits(512, 32)  # key blocks of 64 do not tile l' = 32
     q, k, v, _ = make_inputs(1, 40, 1, 4, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         window_op.window_and_local(q, k, v, 4, 100, 64)
@@ -338,7 +352,8 @@ def test_local_fits():
 
 @interpreter
 @pytest.mark.parametrize("gated", [False, True], ids=["selected", "selected-gated-sum"])
-def test_selected_op_merges_the_local_partial_interpreted(gated):
+@pytest.mark.parametrize("G", [4, 3])
+def test_selected_op_merges_the_local_partial_interpreted(gated, G):
     """The selected op's kernels with the window op's local partial (those slots skipped) equal
     the same kernels without it, forward; into the gated sum's epilogue too. The selection lists
     both local blocks of every token, as the selection op's does."""
@@ -346,7 +361,7 @@ def test_selected_op_merges_the_local_partial_interpreted(gated):
     from nsa_flex.ops.selected_attention import launch
     from test_selected_attention import random_selection
 
-    G, LB, W, T = 4, 32, 64, 250
+    LB, W, T = 32, 64, 250
     cfg = NSAConfig(n_heads=2 * G, n_kv_heads=2, head_dim=64, head_dim_v=64, sel_block=LB, cmp_block=16,
                     cmp_stride=16, n_selected=4)
     q, k, v, _ = make_inputs(1, T, 2, G, 64, 64, torch.float32, seed=8)

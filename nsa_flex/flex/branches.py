@@ -423,7 +423,7 @@ def window_and_local_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles
     if impl == "flex":
         mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, G, docs=docs)
         return _call(_flex_win, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win"), None
-    if with_local and window_op.local_fits(G, config.window, config.sel_block, q_fold.shape[-1], v.shape[-1]):
+    if with_local and window_op.local_fits(config.window, config.sel_block, q_fold.shape[-1], v.shape[-1]):
         o, o_loc, lse_loc = window_op.window_and_local(q_win, k, v, G, config.window, config.sel_block, scale=scale,
                                                        impl=impl)
         return o, (o_loc, lse_loc)

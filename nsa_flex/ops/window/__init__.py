@@ -61,24 +61,29 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
     Needs local_fits(group, window, sel_block, Dk, Dv); arguments otherwise as window_attention.
     """
     _check_inputs(q, k, v, group, window, impl)
-    if not local_fits(group, window, sel_block, q.shape[-1], v.shape[-1]):
-        raise ValueError(f"window_and_local: group {group}, window {window}, sel_block {sel_block} do not fit "
-                         "(see local_fits: G a power of two, l' a multiple of the row tiles' tokens and of the "
-                         "key blocks, W >= 2 l')")
+    if not local_fits(window, sel_block, q.shape[-1], v.shape[-1]):
+        bn = launch_config(q.shape[-1], v.shape[-1])["fwd_BN"]
+        raise ValueError(f"window_and_local: window {window} and sel_block {sel_block} do not fit: the local "
+                         f"partial needs sel_block a multiple of the kernels' {bn}-key blocks and window >= "
+                         "2 * sel_block (see local_fits)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, _, o_loc, lse_loc = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, sel_block)
     return o, o_loc, lse_loc
 
 
-def local_fits(group: int, window: int, sel_block: int, Dk: int = 64, Dv: int = 64) -> bool:
+def local_fits(window: int, sel_block: int, Dk: int = 64, Dv: int = 64) -> bool:
     """Whether the local blocks' partial fits the kernels' tiles (launch_config(Dk, Dv)'s, the ones
-    the forward launches with): every row tile's tokens lie in one selection block (G a power of
-    two, l' a multiple of BM / G), the key blocks tile l', and the window holds both local blocks
-    of every token (W >= 2 l')."""
-    cfg = launch_config(Dk, Dv)
-    BM, BN = cfg["fwd_BM"], cfg["fwd_BN"]
-    return (group & (group - 1) == 0 and group <= BM and sel_block % (BM // group) == 0 and sel_block % BN == 0
-            and window >= 2 * sel_block)
+    the forward launches with): the key blocks tile l' (the local walk starts on a selection
+    block's first key) and the window holds both local blocks of every token (W >= 2 l'). Any
+    group: a tile whose tokens cross a block's end walks the keys its later rows skipped in a loop
+    more (tiles_cross)."""
+    return sel_block % launch_config(Dk, Dv)["fwd_BN"] == 0 and window >= 2 * sel_block
+
+
+def tiles_cross(group: int, sel_block: int, rows: int) -> bool:
+    """Whether a tile of `rows` folded rows may hold tokens of two selection blocks: unless G is a
+    power of two whose tiles tile a block (l' a multiple of rows / G)."""
+    return not (group & (group - 1) == 0 and group <= rows and sel_block % (rows // group) == 0)
 
 
 def launch_config(Dk: int, Dv: int) -> dict[str, int]:
@@ -121,7 +126,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
     wrap_triton(kernels._fwd_kernel)[(-(-R // BM), B * Hkv)](
         q, k, v, o, lse, o_loc, lse_loc, T, R, Hkv, window, scale * math.log2(math.e), *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], G=group, BM=BM, BN=cfg["fwd_BN"], DK=Dk, DV=v.shape[-1],
-        LOCAL=local_block, F32_DOT=not q.is_cuda, num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
+        LOCAL=local_block, CROSS=bool(local_block) and tiles_cross(group, local_block, BM), F32_DOT=not q.is_cuda,
+        num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return o, lse, o_loc, lse_loc
 
 

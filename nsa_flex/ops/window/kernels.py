@@ -63,12 +63,20 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                   MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  F32_DOT: tl.constexpr):
+                  F32_DOT: tl.constexpr, LOCAL: tl.constexpr = 0, LOC_MODE: tl.constexpr = 0):
+        """One block of keys into the online softmax. MASKED: the window's mask; with LOCAL > 0,
+        LOC_MODE 1 / 2 also keeps only the keys at or after / before each row's first local key,
+        the first of selection block tok // LOCAL - 1."""
         keys = n0 + tl.arange(0, BN)
         kt = _key_tile_t(K, b, h, keys, T, s_kb, s_kt, s_kh, DK)
         s = dot(q, kt, F32_DOT, False) * scale2
         if MASKED:
             seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
+            if LOCAL > 0:
+                if LOC_MODE == 1:
+                    seen = seen & (keys[None, :] >= ((tok // LOCAL - 1) * LOCAL)[:, None])
+                if LOC_MODE == 2:
+                    seen = seen & (keys[None, :] < ((tok // LOCAL - 1) * LOCAL)[:, None])
             s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row the window's start cuts may see no key yet: subtract 0, not -inf (no NaN).
@@ -84,13 +92,16 @@ if HAS_TRITON:
     def _fwd_kernel(Q, K, V, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2,
                     s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    LOCAL: tl.constexpr, F32_DOT: tl.constexpr):
+                    LOCAL: tl.constexpr, CROSS: tl.constexpr, F32_DOT: tl.constexpr):
         """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0).
 
-        LOCAL (> 0, NSA's selection block l'): the tile's tokens lie in one selection block j,
-        whose keys and those of block j - 1 the window holds whole (W >= 2 l'). Those blocks come
-        first, and the softmax over them alone, the selected branch's partial over its two local
-        blocks, goes to O_LOC / LSE_LOC (O's layout) before the walk goes on: no extra dot."""
+        LOCAL (> 0, NSA's selection block l'): a row of token t has the local keys of selection
+        blocks t // l' - 1 and t // l' up to t, which the window holds whole (W >= 2 l'). Those
+        blocks come first in the tile's walk, and the softmax over them alone, the selected
+        branch's partial over the two local blocks, goes to O_LOC / LSE_LOC (O's layout) before the
+        walk goes on: no extra dot. CROSS: the tile's tokens may lie in two selection blocks
+        (then the later rows' local keys start one block later, and a loop more walks the keys
+        they skipped)."""
         # Under Inductor a float argument arrives as a constexpr (a Python float, fp64 in the
         # arithmetic): fp32 it must be, for the loop-carried row max.
         sc2 = tl.cast(scale2, tl.float32)
@@ -104,12 +115,20 @@ if HAS_TRITON:
         out_rows = b * s_ob + h * s_oh + rows.to(tl.int64)[:, None] * s_or + dv[None, :]
         if LOCAL > 0:
             lo = tl.maximum((t0 // LOCAL - 1) * LOCAL, 0)
+            # CROSS: a tile's tokens may cross a selection block's end (G not a power of two), so
+            # its rows' local keys start at two places; each row keeps its own (mode 1).
             for n0 in range(lo, end, BN):
                 acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
-                                          s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT)
+                                          s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT, LOCAL if CROSS else 0, 1)
             l_loc = tl.where(rows_ok, l_i, 1.0)
             tl.store(O_LOC + out_rows, (acc / l_loc[:, None]).to(O_LOC.dtype.element_ty), mask=rows_ok[:, None])
             tl.store(LSE_LOC + bh.to(tl.int64) * R + rows, m_i + tl.math.log2(l_loc), mask=rows_ok)
+            if CROSS:
+                # The rows of the later block skipped [lo, their first local key): a loop of its
+                # own, compiled only here (it costs ~20 registers: a program per SM at D=64).
+                for n0 in range(lo, tl.maximum((t1 // LOCAL - 1) * LOCAL, lo), BN):
+                    acc, m_i, l_i = _fwd_step(q, acc, m_i, l_i, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh,
+                                              s_vb, s_vt, s_vh, True, BN, DK, DV, F32_DOT, LOCAL, 2)
             # The rest of the window lies before lo: no block there is cut by the diagonal.
             mid_lo = tl.minimum(mid_lo, lo)
             mid_hi = lo
