@@ -656,3 +656,62 @@ def test_kernels_interpreted_repeated_ids_count_once():
     assert bool((bi[..., 3] == bi[..., 0]).any())
     check(run_kernels(q, k, v, do, bi, cfg), q, k, v, do, bi, cfg)
     check(run_op(q, k, v, do, bi, cfg, "torch"), q, k, v, do, bi, cfg)
+
+
+# ----- the token-centric forward -----
+
+TOKEN_CASES = [  # B, T, G, Dk, Dv, n, L, dtype
+    pytest.param(1, 150, 16, 32, 24, 5, 16, torch.float32, id="G16"),
+    pytest.param(2, 90, 3, 32, 24, 5, 16, torch.float32, id="G3-B2-rows-padded-to-16"),
+    pytest.param(1, 130, 32, 64, 64, 4, 32, torch.bfloat16, id="G32-bf16"),
+    pytest.param(1, 70, 2, 40, 24, 3, 48, torch.float32, id="G2-l48-not-a-power-of-two"),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("B, T, G, Dk, Dv, n, L, dtype", TOKEN_CASES)
+def test_token_forward_interpreted(B, T, G, Dk, Dv, n, L, dtype, poisoned):
+    """The forward token by token (launch_config's token_fwd), then the block-centric backward from
+    its o and lse, against the oracle. The selection repeats a block, lists blocks after the
+    token's own (masked whole) and has -1 slots."""
+    cfg = make_config(G, Dk, Dv, n, L)
+    q, k, v, do = make_inputs(B, T, cfg, dtype, seed=T * 3 + G)
+    bi = random_selection(B, cfg.n_kv_heads, T, n, L, seed=T + G)
+    g = torch.Generator().manual_seed(G)
+    later = torch.randint(0, -(-T // L), bi.shape[:3], generator=g)
+    bi[..., -1] = torch.where(later > torch.arange(T) // L, later, bi[..., -1])
+    bi[..., 1] = torch.where(torch.rand(bi.shape[:3], generator=g) < 0.3, bi[..., 0], bi[..., 1])
+    check(run_kernels(q, k, v, do, bi, cfg, tiles=dict(token_fwd=1)), q, k, v, do, bi, cfg)
+
+
+@interpreter
+@pytest.mark.parametrize("gated", [False, True], ids=["selected", "selected-gated-sum"])
+def test_token_forward_merges_the_local_partial_interpreted(gated, poisoned):
+    """With the window op's local partial (those slots skipped), folded q and token ranges of the
+    block path: the token-centric forward equals the block-centric one, into the gated sum too."""
+    from nsa_flex.ops import window as window_op
+    from test_gated_sum import make_inputs as branch_inputs
+
+    G, L, W, T = 16, 32, 64, 200
+    cfg = make_config(G, 64, 64, 4, L)
+    q, k, v, _ = make_inputs(1, T, cfg, torch.float32, seed=4)
+    qf = fold(q, cfg.n_kv_heads, rows=T * G + 8)
+    scale = 64 ** -0.5
+    local_cfg = {**window_op.launch_config(64, 64), "fwd_BM": 32, "fwd_BN": 16}
+    _, _, o_loc, lse_loc = window_op.forward(qf, k, v, G, W, scale, local_cfg, L)
+    own = (torch.arange(T) // L).view(1, 1, T)
+    past = random_selection(1, 2, T, 4, L, seed=5)[..., 1]
+    bi = torch.stack([torch.zeros_like(past), (own - 1).clamp_min(0).expand_as(past), own.expand_as(past), past],
+                     -1).int()
+    args = (qf, k, v, bi, None, scale, L)
+    token, block = dict(token_fwd=1), dict(token_fwd=0, range_tokens=96)
+    if not gated:
+        o, lse = launch.forward(*args, token, q_heads=cfg.n_heads, local=(o_loc, lse_loc))
+        o0, lse0 = launch.forward(*args, block, q_heads=cfg.n_heads, local=(o_loc, lse_loc))
+        torch.testing.assert_close(lse, lse0, atol=2e-6, rtol=2e-6)
+    else:
+        x = branch_inputs(1, T, 2, G, 64, 0, 0, torch.float32, seed=4)
+        extra = (x["cmp_rows"], x["head"], x["o_win"], x["gates"])
+        o = launch.forward_gated(*args, *extra, token, q_heads=cfg.n_heads, local=(o_loc, lse_loc))
+        o0 = launch.forward_gated(*args, *extra, block, q_heads=cfg.n_heads, local=(o_loc, lse_loc))
+    torch.testing.assert_close(o, o0, atol=2e-6, rtol=2e-6)
