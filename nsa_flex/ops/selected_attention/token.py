@@ -37,11 +37,9 @@ if HAS_TRITON:
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         LOCAL: tl.constexpr, GATED: tl.constexpr, STAGES: tl.constexpr, F32_DOT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """The forward token by token: one program per (token t, kv head h, batch entry b) = program_id
-        (0, 1, 2) walks the token's n selected blocks with an online softmax over its G query heads
-        (rows, G' >= 16 of them for the dots, pad rows masked). Tokens vary fastest, so the programs
-        that run at once read the keys of one kv head: at 64k tokens and D=128 those are 32 MiB,
-        which the L2 holds, where all kv heads' would not.
+        """The forward token by token: one program per (token t, kv head h, batch entry b) = (program_id(0)
+        // Hkv, program_id(0) % Hkv, program_id(1)) walks the token's n selected blocks with an online
+        softmax over its G query heads (rows, G' >= 16 of them for the dots, pad rows masked).
 
         Each block's K/V are read for this token alone (from L2 where the kv head's keys fit), so
         no partials are written or merged; where G >= 16 the block-centric forward's partials (G
@@ -54,9 +52,10 @@ if HAS_TRITON:
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         LN2: tl.constexpr = 0.6931471805599453
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
+        pid = tl.program_id(0)
+        h = pid % Hkv
+        t = (pid // Hkv).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
         g = tl.arange(0, GP)
         g_ok = g < G
         hq = h * G + g
@@ -148,7 +147,7 @@ def forward(q, k, v, block_indices, scale: float, sel_block: int, cfg: dict, Hq:
         cmp_rows, o_win, gates = dense(cmp_rows, o_win, gates)
     gated_strides = (0,) * 9 if gated is None else (*cmp_rows.stride()[:3], *o_win.stride()[:3], *gates.stride()[:3])
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
-    wrap_triton(_token_fwd_kernel)[(T, Hkv, B)](
+    wrap_triton(_token_fwd_kernel)[(T * Hkv, B)](
         q, k, v, block_indices, o, spare if lse is None else lse, loc, loc_lse, cmp_rows, o_win, gates,
         T, Hkv, sel_block, scale, head, 0 if gated is None else cmp_rows.shape[2], *q_strides, *k.stride()[:3],
         *v.stride()[:3], *block_indices.stride()[:3], *o.stride()[:3], *((0, 0, 0) if lse is None else lse.stride()),
