@@ -6,8 +6,7 @@ tokens, each chunk M = BT * G' query rows (the G heads of a kv head are adjacent
 the next power of two, pad rows masked). So K/V are read once per BT * chunks tokens, not once
 per token as in the token-centric loop.
 
-From launch.TOKEN_FORWARD_FROM_GROUP on the forward runs token by token instead (token.py).
-Block-centric forward: each (token, slot) gets a block-local softmax, partial o (normalised, in the partial
+Forward: each (token, slot) gets a block-local softmax, partial o (normalised, in the partial
 buffer's dtype) and partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel
 merges a token's n partials in fp32. Backward: P = exp(S - lse) from the global lse, dV and dK
 accumulate in registers over the item's chunks and go to an fp32 partial per item, summed per
@@ -343,8 +342,10 @@ if HAS_TRITON:
         """_slot_kernel's merge with the gated sum as its epilogue (no autograd: forward only).
 
         One (b, t, kv head h) of the range: o_sel of its G query heads merged as _slot_kernel does
-        and rounded to out's dtype, then the gated sum into out [B, T, Hq, D] at token T0 + t
-        (_gated_store). So o_sel is never written to memory and read back.
+        and rounded to out's dtype, then o = g_cmp o_cmp + g_sel o_sel + g_win o_win in fp32, the
+        same expression as nsa_flex::gated_sum's kernel, into out [B, T, Hq, D] at token T0 + t.
+        o_cmp: folded rows from row HEAD on (RC of them, earlier rows zero), o_win folded
+        [B, Hkv, T*G, D], gates [B, T, Hq, 3]. So o_sel is never written to memory and read back.
         """
         b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
             gid_ptr, T, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
@@ -353,22 +354,11 @@ if HAS_TRITON:
                                         G)
         o_sel, _ = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, loc_rows, loc_lse,
                            N, NP, GP, DP, LOCAL)
-        _gated_store(out_ptr, o_sel.to(out_ptr.dtype.element_ty).to(tl.float32), cmp_ptr, win_ptr, gate_ptr, b, h,
-                     T0 + t, g, d, hq, g_ok, row_ok, HEAD, RC, sc_b, sc_h, sc_r, sw_b, sw_h, sw_r, sgt_b, sgt_t, sgt_h,
-                     so_b, so_t, so_h, G, D)
-
-    @triton.jit
-    def _gated_store(out_ptr, x_sel, cmp_ptr, win_ptr, gate_ptr, b, h, tok, g, d, hq, g_ok, row_ok, HEAD, RC,
-                     sc_b, sc_h, sc_r, sw_b, sw_h, sw_r, sgt_b, sgt_t, sgt_h, so_b, so_t, so_h,
-                     G: tl.constexpr, D: tl.constexpr):
-        """o = g_cmp o_cmp + g_sel o_sel + g_win o_win in fp32 (nsa_flex::gated_sum's expression) of
-        token tok's G query heads into out [B, T, Hq, D]. x_sel: o_sel [G', D'] already rounded to
-        out's dtype, as gated_sum reads it; o_cmp folded rows from row HEAD on (RC of them, earlier
-        rows zero), o_win folded [B, Hkv, T*G, D], gates [B, T, Hq, 3]."""
-        r = tok * G + g
+        x_sel = o_sel.to(out_ptr.dtype.element_ty).to(tl.float32)
+        r = (T0 + t) * G + g
         c = r - HEAD
         c_ok = g_ok & (c >= 0) & (c < RC)
-        gate = gate_ptr + b * sgt_b + tok * sgt_t + hq * sgt_h
+        gate = gate_ptr + b * sgt_b + (T0 + t) * sgt_t + hq * sgt_h
         g0 = tl.load(gate, mask=g_ok, other=0.0).to(tl.float32)
         g1 = tl.load(gate + 1, mask=g_ok, other=0.0).to(tl.float32)
         g2 = tl.load(gate + 2, mask=g_ok, other=0.0).to(tl.float32)
@@ -377,7 +367,7 @@ if HAS_TRITON:
         x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=row_ok,
                         other=0.0).to(tl.float32)
         o = g0[:, None] * x_cmp + g1[:, None] * x_sel + g2[:, None] * x_win
-        tl.store(out_ptr + b * so_b + tok * so_t + hq[:, None] * so_h + d[None, :],
+        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + hq[:, None] * so_h + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit

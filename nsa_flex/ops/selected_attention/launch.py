@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from nsa_flex.ops.capped_launch import launch
-from nsa_flex.ops.selected_attention import kernels, token
+from nsa_flex.ops.selected_attention import kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
@@ -20,7 +20,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "token_fwd", "tok_warps", "tok_stages")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -39,11 +39,6 @@ PARTIAL_BYTES = 1 << 30
 #   backward 7.64 against 7.74 ms at 64k; at D=64 (seeds-125m's heads, 5 stages) 1.22 against 1.27
 #   ms at 8k tokens x 4, 2.66 against 2.92 at 64k.
 LONG_FROM_TOKENS = 32768
-
-
-# From this group on (16-bit, head dims <= 128) the forward runs token by token (token.py):
-# 0 keeps the block-centric forward everywhere.
-TOKEN_FORWARD_FROM_GROUP = 0
 
 
 def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0) -> dict[str, int]:
@@ -103,8 +98,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
             "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0,
-            "bwd_maxnreg": 0, "range_tokens": 0, "token_fwd": int(narrow and 0 < TOKEN_FORWARD_FROM_GROUP <= G),
-            "tok_warps": 4, "tok_stages": 3}
+            "bwd_maxnreg": 0, "range_tokens": 0}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -201,10 +195,6 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     G = Hq // Hkv
-    cfg = _tiles(q, k, v, G, tiles)
-    if cfg["token_fwd"] and cu_seqlens is None:
-        q, k, v = dense(q, k, v)
-        return token.forward(q, k, v, block_indices, scale, sel_block, cfg, Hq, _q_strides(q, G, q_heads > 0), local)
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
@@ -221,11 +211,6 @@ def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: i
     cmp_rows, o_win, gates = dense(cmp_rows, o_win, gates)
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
-    cfg = _tiles(q, k, v, Hq // Hkv, tiles)
-    if cfg["token_fwd"] and cu_seqlens is None:
-        q, k, v = dense(q, k, v)
-        return token.forward(q, k, v, block_indices, scale, sel_block, cfg, Hq, _q_strides(q, Hq // Hkv, q_heads > 0),
-                             local, (cmp_rows, head, o_win, gates))[0]
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
                                                local is not None):
