@@ -58,7 +58,7 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
     holds whole: o_loc [B, Hkv, T*G, Dv] normalised, lse_loc [B, Hkv, T*G] fp32 base 2, no
     gradient. The kernels take those blocks first in a tile's walk, so the partial costs its
     store only; nsa_flex::selected_attention merges it in place of those two slots.
-    Needs local_fits(group, window, sel_block, Dk, Dv); arguments otherwise as window_attention.
+    Needs local_fits(window, sel_block, Dk, Dv); arguments otherwise as window_attention.
     """
     _check_inputs(q, k, v, group, window, impl)
     if not local_fits(window, sel_block, q.shape[-1], v.shape[-1]):
