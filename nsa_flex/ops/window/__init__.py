@@ -119,7 +119,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
     R = T * group
     o = q.new_empty(B, Hkv, R, v.shape[-1])
     lse = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
-    o_loc, lse_loc = _local_buffers(q, k, v, group, local_block)
+    o_loc, lse_loc = twin.local_buffers(q, k, v, group, local_block)
     if B * R * Hkv == 0:
         return o, lse, o_loc, lse_loc
     BM = cfg["fwd_BM"]
@@ -129,14 +129,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
         LOCAL=local_block, CROSS=bool(local_block) and tiles_cross(group, local_block, BM), F32_DOT=not q.is_cuda,
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return o, lse, o_loc, lse_loc
-
-
-def _local_buffers(q: Tensor, k: Tensor, v: Tensor, group: int, local_block: int) -> tuple[Tensor, Tensor]:
-    """(o_loc, lse_loc) as the forward writes them: o's and lse's shapes with a local partial, else empty."""
-    B, T, Hkv, _ = k.shape
-    R = T * group if local_block else 0
-    return (q.new_empty(B, Hkv, R, v.shape[-1]) if local_block else q.new_empty(0),
-            torch.empty((B, Hkv, R) if local_block else (0,), dtype=torch.float32, device=q.device))
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
@@ -183,7 +175,7 @@ with quiet_without_triton():
 def _forward_fake(q, k, v, group, window, scale, impl, local_block):
     B, T, Hkv, _ = k.shape
     return (q.new_empty(B, Hkv, T * group, v.shape[-1]), q.new_empty(B, Hkv, T * group, dtype=torch.float32),
-            *_local_buffers(q, k, v, group, local_block))
+            *twin.local_buffers(q, k, v, group, local_block))
 
 
 @_backward_op.register_fake

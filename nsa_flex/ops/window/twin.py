@@ -30,6 +30,15 @@ def _chunks(q: Tensor, k: Tensor, group: int, window: int, scale: float, acc: to
         yield rows, keys, scores.masked_fill(~seen, float("-inf")), local
 
 
+def local_buffers(q: Tensor, k: Tensor, v: Tensor, group: int, local_block: int) -> tuple[Tensor, Tensor]:
+    """(o_loc, lse_loc) as the op returns them: o's shape in q's dtype and lse's in fp32 with a
+    local partial (local_block > 0), else empty; uninitialised (every row is written)."""
+    B, T, Hkv, _ = k.shape
+    R = T * group if local_block else 0
+    return (q.new_empty(B, Hkv, R, v.shape[-1]) if local_block else q.new_empty(0),
+            torch.empty((B, Hkv, R) if local_block else (0,), dtype=torch.float32, device=q.device))
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float,
             local_block: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o [B, Hkv, T*G, Dv] in q's dtype, lse [B, Hkv, T*G] fp32 base 2, o_loc, lse_loc: the same
@@ -38,7 +47,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
     acc = torch.promote_types(q.dtype, torch.float32)
     o = q.new_zeros(B, Hkv, T * group, v.shape[-1])
     lse = torch.zeros(B, Hkv, T * group, dtype=torch.float32, device=q.device)
-    o_loc, lse_loc = (torch.zeros_like(o), torch.zeros_like(lse)) if local_block else (q.new_empty(0), lse.new_empty(0))
+    o_loc, lse_loc = local_buffers(q, k, v, group, local_block)
     for rows, keys, scores, local in _chunks(q, k, group, window, scale, acc, local_block):
         v_c = v[:, keys].transpose(1, 2).to(acc)
         for out, out_lse, s in ((o, lse, scores), (o_loc, lse_loc, None if local is None else
