@@ -266,8 +266,9 @@ class NSAAttention(nn.Module):
             # The gates are made inside the region: their shape stands in for the checks.
             gates_shape = q.new_zeros(()).expand(B, T, cfg.n_heads, 3)
             check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, block_indices, cu_seqlens, k_win, v_win)
-        if not torch.is_grad_enabled():
-            # Nothing to recompute: the flex op with its gates, in its order without gradients.
+        if not needs_grad(x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, *self.gate.parameters(), *self.wo.parameters()):
+            # Nothing to recompute: the flex op with its gates, in its order without gradients
+            # (under torch.no_grad, or a frozen layer with grad mode on).
             o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
                                        block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel

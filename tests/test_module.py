@@ -237,6 +237,27 @@ def test_module_flex_forward_equals_reference(separate_kv, T):
     assert torch.equal(sel_got, sel_want)
 
 
+def test_module_flex_frozen_layer_takes_the_path_without_gradients(monkeypatch):
+    """A frozen layer with grad mode on (an evaluation loop without torch.no_grad) needs no
+    gradient: it runs the flex op in its order without gradients, not the checkpointed branches
+    kept for a backward, and gives the reference's output."""
+    from nsa_flex import flex
+
+    x = torch.randn(1, 70, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    module = make_module().requires_grad_(False)
+    with torch.no_grad():
+        want = module(x)
+    module.impl = "flex"
+
+    def branches(*args, **kwargs):
+        raise AssertionError("the checkpointed branches ran for a call that needs no gradient")
+
+    monkeypatch.setattr(flex, "nsa_flex_branches", branches)
+    got = module(x)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_module_flex_with_cpu_gradients_runs_the_reference():
     """The README's `NSAAttention(config, dim, impl="flex")` trains on CPU: the reference runs, said once."""
     x = torch.randn(1, 40, DIM, dtype=torch.float64, requires_grad=True)
