@@ -619,12 +619,41 @@ def test_install_flex_tuning_sets_the_choices_class(monkeypatch):
     from nsa_flex.flex import tuning
     from nsa_flex.flex.inductor_choices import NSAFlexChoices
 
+    from torch._inductor.choices import InductorChoices
+
     monkeypatch.setattr(tuning, "_INSTALLED", False)
     monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
+    monkeypatch.setattr(InductorChoices, "get_flex_attention_bwd_configs", InductorChoices.get_flex_attention_bwd_configs)
     tuning.install_flex_tuning()
     tuning.install_flex_tuning()
     assert tuning.is_installed() and inductor_config.inductor_choices_class is NSAFlexChoices
     assert NSAFlexChoices().uuid()
+
+
+def test_install_flex_tuning_reaches_handlers_made_before_it(monkeypatch):
+    """A thread that compiled before the install keeps a handler of Inductor's own class (the
+    autograd engine's thread, which compiles backward graphs): after the install that handler's
+    backward configs hold the 16x16 fallback too, once."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.choices import InductorChoices
+
+    from nsa_flex.flex import tuning
+    from nsa_flex.flex.inductor_choices import _fallback_bwd_config
+
+    class Heuristics:  # configs that fit no 16-row block, as sm90's defaults
+        def get_flex_attn_bwd_configs(self, head_dim, dtype):
+            return []
+
+    monkeypatch.setattr(tuning, "_INSTALLED", False)
+    monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
+    monkeypatch.setattr(InductorChoices, "get_flex_attention_bwd_configs", InductorChoices.get_flex_attention_bwd_configs)
+    monkeypatch.setattr(InductorChoices, "get_config_heuristics", lambda self, device_type="cuda": Heuristics())
+    stale = InductorChoices()
+    assert stale.get_flex_attention_bwd_configs(64, torch.bfloat16) == []
+    tuning.install_flex_tuning()
+    monkeypatch.setattr(tuning, "_INSTALLED", False)
+    tuning.install_flex_tuning()
+    assert stale.get_flex_attention_bwd_configs(64, torch.bfloat16) == [_fallback_bwd_config()]
 
 
 # ---------------------------------------------------------------- row chunks and the initial-blocks split

@@ -7,6 +7,8 @@ installed choices class into its cache keys. See nsa_flex/flex/tuning.py for why
 
 from __future__ import annotations
 
+import functools
+
 from torch._inductor.choices import InductorChoices
 
 
@@ -19,13 +21,22 @@ def _fallback_bwd_config():
     return FlexBwDConfig(16, 16, 16, 16, 1, 4)
 
 
+def with_fallback(get_configs):
+    """A get_flex_attention_bwd_configs that appends the 16x16 config to what get_configs returns."""
+
+    @functools.wraps(get_configs)
+    def configs(self, *args, **kwargs):
+        found = list(get_configs(self, *args, **kwargs))
+        fallback = _fallback_bwd_config()
+        return found if fallback in found else found + [fallback]
+
+    return configs
+
+
 class NSAFlexChoices(InductorChoices):
     """Appends the 16x16 backward config to Inductor's own list (see nsa_flex.flex.tuning)."""
 
-    def get_flex_attention_bwd_configs(self, *args, **kwargs):
-        configs = list(super().get_flex_attention_bwd_configs(*args, **kwargs))
-        fallback = _fallback_bwd_config()
-        return configs if fallback in configs else configs + [fallback]
+    get_flex_attention_bwd_configs = with_fallback(InductorChoices.get_flex_attention_bwd_configs)
 
     def uuid(self) -> str:
         # Part of Inductor's cache key (torch >= 2.13): change it when the configs change.

@@ -11,10 +11,13 @@ head dim and dtype), which override the config's.
 
 `install_flex_tuning()` installs it, process-global: as `torch._inductor.config.
 inductor_choices_class` and as the calling thread's choices handler. Inductor makes one handler
-per thread, from that class, on the thread's first compile: a thread that compiled before the
-install (the autograd engine's, after an earlier compiled backward) keeps Inductor's own.
-`nsa_flex` calls it on its first eager CUDA call; code that compiles `nsa_flex` (or a model
-using it) must call it once before compiling anything. Effect on other FlexAttention users in
+per thread, from that class, on the thread's first compile, so a thread that compiled before the
+install keeps Inductor's own class: the autograd engine's device thread, which compiles backward
+graphs lazily, after any earlier compiled backward (a GPU test of the Flex selected option failed
+with `NoValidChoicesError` that way, after tests that compiled other backwards first). So the
+install also gives Inductor's own class the fallback config. `nsa_flex` calls it on its first
+eager CUDA call; code that compiles `nsa_flex` (or a model using it) must call it once before
+compiling it. Effect on other FlexAttention users in
 the process: one more candidate backward config; where both fit their masks, Inductor
 autotunes between them.
 """
@@ -164,7 +167,10 @@ def install_flex_tuning() -> None:
     from torch._inductor import config as inductor_config
     from torch._inductor.virtualized import V
 
+    from torch._inductor.choices import InductorChoices
+
     from nsa_flex.flex.inductor_choices import NSAFlexChoices as cls
+    from nsa_flex.flex.inductor_choices import with_fallback
 
     current = getattr(inductor_config, "inductor_choices_class", None)
     if current is not None and current is not cls:
@@ -176,6 +182,8 @@ def install_flex_tuning() -> None:
     if hasattr(inductor_config, "inductor_choices_class"):
         inductor_config.inductor_choices_class = cls
     V.set_choices_handler(cls())
+    # Handlers that threads made before this install are Inductor's own class (module docstring).
+    InductorChoices.get_flex_attention_bwd_configs = with_fallback(InductorChoices.get_flex_attention_bwd_configs)
     _INSTALLED = True
 
 
