@@ -17,9 +17,8 @@ graphs lazily, after any earlier compiled backward (a GPU test of the Flex selec
 with `NoValidChoicesError` that way, after tests that compiled other backwards first). So the
 install also gives Inductor's own class the fallback config. `nsa_flex` calls it on its first
 eager CUDA call; code that compiles `nsa_flex` (or a model using it) must call it once before
-compiling it. Effect on other FlexAttention users in
-the process: one more candidate backward config; where both fit their masks, Inductor
-autotunes between them.
+compiling it. Effect on other FlexAttention users in the process: one more candidate backward
+config; where both fit their masks, Inductor autotunes between them.
 """
 
 from __future__ import annotations
@@ -165,9 +164,8 @@ def install_flex_tuning() -> None:
     if _INSTALLED:
         return
     from torch._inductor import config as inductor_config
-    from torch._inductor.virtualized import V
-
     from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
 
     from nsa_flex.flex.inductor_choices import NSAFlexChoices as cls
     from nsa_flex.flex.inductor_choices import with_fallback
