@@ -345,9 +345,13 @@ def test_local_fits():
     assert window_op.local_fits(512, 64) and window_op.local_fits(128, 64) and window_op.local_fits(512, 128)
     assert not window_op.local_fits(100, 64)  # the window would not hold the previous block whole
     assert not window_op.local_fits(512, 32)  # key blocks of 64 do not tile l' = 32
+    assert not window_op.local_fits(512, 0)
     q, k, v, _ = make_inputs(1, 40, 1, 4, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         window_op.window_and_local(q, k, v, 4, 100, 64)
+    for bad in (0, -64, 64.0, True):
+        with pytest.raises(ValueError, match="sel_block=.*an int >= 1"):
+            window_op.window_and_local(q, k, v, 4, 512, bad)
 
 
 @interpreter

@@ -61,6 +61,8 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
     Needs local_fits(window, sel_block, Dk, Dv); arguments otherwise as window_attention.
     """
     _check_inputs(q, k, v, group, window, impl)
+    if isinstance(sel_block, bool) or not isinstance(sel_block, int) or sel_block < 1:
+        raise ValueError(f"sel_block={sel_block!r}: tokens per selection block, an int >= 1")
     if not local_fits(window, sel_block, q.shape[-1], v.shape[-1]):
         bn = launch_config(q.shape[-1], v.shape[-1])["fwd_BN"]
         raise ValueError(f"window_and_local: window {window} and sel_block {sel_block} do not fit: the local "
@@ -77,7 +79,7 @@ def local_fits(window: int, sel_block: int, Dk: int = 64, Dv: int = 64) -> bool:
     block's first key) and the window holds both local blocks of every token (W >= 2 l'). Any
     group: a tile whose tokens cross a block's end walks the keys its later rows skipped in a loop
     more (tiles_cross)."""
-    return sel_block % launch_config(Dk, Dv)["fwd_BN"] == 0 and window >= 2 * sel_block
+    return sel_block >= 1 and sel_block % launch_config(Dk, Dv)["fwd_BN"] == 0 and window >= 2 * sel_block
 
 
 def tiles_cross(group: int, sel_block: int, rows: int) -> bool:
