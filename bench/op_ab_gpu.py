@@ -6,9 +6,12 @@
         --variants window_op=tiles.win_impl:triton flex_window=tiles.win_impl:flex
     python -m bench.op_ab_gpu --out $OUT/g3_ab.json --heads 12 --kv-heads 4 -T 65536 \\
         --variants local=tiles.local_partial:1 no_local=tiles.local_partial:0
+    python -m bench.op_ab_gpu --out $OUT/w64_ab.json --heads 12 --kv-heads 3 --head-dim 64 -T 8192 65536 \\
+        --variants code=- d128_tiles=window.fwd_BN:64,window.fwd_stages:2,window.dq_BN:64,window.dq_stages:2,window.kv_stages:2
 
 Each variant (NAME=MODULE.KEY:VALUE,...; "-" for none) overrides launch_config's keys of the
-selected op (selected.KEY:INT) and of the selection kernel (select.KEY:INT), and FlexTiles'
+selected op (selected.KEY:INT), of the selection kernel (select.KEY:INT) and of the window op
+(window.KEY:INT), and FlexTiles'
 fields (tiles.FIELD:VALUE, an int or a word; such a variant compiles nsa_flex itself, without
 nsa_attention's checks: compare it with variants of the same form), while its own
 torch.compile(fullgraph=True, dynamic=False) of nsa_attention traces. Inductor's graph caches are
@@ -38,7 +41,14 @@ from nsa_flex.bench.impls import Problem, nsa_inputs
 from nsa_flex.flex import nsa_flex
 from nsa_flex.flex.tuning import FlexTiles, install_flex_tuning
 
-MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels"}
+MODULES = {"selected": "nsa_flex.ops.selected_attention.launch", "select": "nsa_flex.ops.select.kernels",
+           "window": "nsa_flex.ops.window"}
+
+
+def tile_keys(module: str) -> tuple[str, ...]:
+    """The launch_config keys a variant may override in `module` (the window op's: its dict's keys)."""
+    mod = importlib.import_module(MODULES[module])
+    return getattr(mod, "TILE_KEYS", None) or tuple(mod.launch_config(64, 64))
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, dict]]:
@@ -55,7 +65,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, dict]]:
         if module not in MODULES or not field or not value:
             raise ValueError(f"variant item {item!r}: expected MODULE.KEY:INT with MODULE one of {', '.join(MODULES)}, "
                              "or tiles.FIELD:VALUE with a FlexTiles field")
-        keys = importlib.import_module(MODULES[module]).TILE_KEYS
+        keys = tile_keys(module)
         if field not in keys:
             raise ValueError(f"variant item {item!r}: {module} has no key {field!r}; allowed: {', '.join(keys)}")
         over[module][field] = int(value)
@@ -117,6 +127,7 @@ def main() -> None:
     p.add_argument("--preset", default="g4", help="an nsa-flex bench attention preset (g4, bench, ...)")
     p.add_argument("--heads", type=int, default=None, help="Hq instead of the preset's")
     p.add_argument("--kv-heads", type=int, default=None, help="Hkv instead of the preset's")
+    p.add_argument("--head-dim", type=int, default=None, help="Dk = Dv instead of the preset's")
     p.add_argument("-T", "--seq-lens", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--variants", nargs="+", default=["code=-", "no_caps=selected.fwd_maxnreg:0,select.maxnreg:0"])
@@ -129,7 +140,8 @@ def main() -> None:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     bench_cfg = attention_config(device="cuda", preset=args.preset, impls=("nsa-flex",), dtype="bf16",
-                                 nsa_overrides={"n_heads": args.heads, "n_kv_heads": args.kv_heads})
+                                 nsa_overrides={"n_heads": args.heads, "n_kv_heads": args.kv_heads,
+                                                "head_dim": args.head_dim})
     cfg = bench_cfg.nsa
     _, add = row_recorder(args.out, {**header(args.commit), "preset": args.preset, "nsa": dataclasses.asdict(cfg),
                                      "variants": variants})

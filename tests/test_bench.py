@@ -345,14 +345,18 @@ def test_op_ab_variants_parse_and_refuse_unknown_keys():
     tiles.FIELD:VALUE over FlexTiles' fields."""
     from bench.op_ab_gpu import parse_variant
 
-    assert parse_variant("code=-") == ("code", {"selected": {}, "select": {}, "tiles": {}})
+    assert parse_variant("code=-") == ("code", {"selected": {}, "select": {}, "window": {}, "tiles": {}})
     assert parse_variant("x=selected.fwd_maxnreg:0,select.maxnreg:0,selected.bwd_chunks:32") == (
-        "x", {"selected": {"fwd_maxnreg": 0, "bwd_chunks": 32}, "select": {"maxnreg": 0}, "tiles": {}})
+        "x", {"selected": {"fwd_maxnreg": 0, "bwd_chunks": 32}, "select": {"maxnreg": 0}, "window": {}, "tiles": {}})
     assert parse_variant("w=tiles.win_impl:flex,tiles.local_partial:0") == (
-        "w", {"selected": {}, "select": {}, "tiles": {"win_impl": "flex", "local_partial": 0}})
+        "w", {"selected": {}, "select": {}, "window": {}, "tiles": {"win_impl": "flex", "local_partial": 0}})
+    assert parse_variant("d=window.fwd_BN:64,window.kv_stages:2") == (
+        "d", {"selected": {}, "select": {}, "window": {"fwd_BN": 64, "kv_stages": 2}, "tiles": {}})
     with pytest.raises(ValueError, match=r"or tiles.FIELD:VALUE with a FlexTiles field"):
         parse_variant("x=tiles.no_such_field:1")
     with pytest.raises(ValueError, match=r"selected has no key 'fwd_maxreg'; allowed: fwd_BT, bwd_BT"):
         parse_variant("x=selected.fwd_maxreg:1")
-    with pytest.raises(ValueError, match=r"expected MODULE.KEY:INT with MODULE one of selected, select"):
+    with pytest.raises(ValueError, match=r"window has no key 'BLOCK'; allowed: fwd_BM, fwd_BN"):
         parse_variant("x=window.BLOCK:64")
+    with pytest.raises(ValueError, match=r"expected MODULE.KEY:INT with MODULE one of selected, select, window"):
+        parse_variant("x=flex.BLOCK:64")

@@ -332,6 +332,22 @@ def test_local_partial_kernels_interpreted(G, LB, W, BM, BN, poisoned):
     torch.testing.assert_close(lse_loc.double(), want_ll.double(), atol=2e-6, rtol=2e-6)
 
 
+@interpreter
+@pytest.mark.parametrize("Dk, Dv, LB", [(64, 64, 32), (64, 64, 64), (128, 128, 64)], ids=["D64-l32", "D64-l64", "D128-l64"])
+def test_window_and_local_with_launch_settings_interpreted(Dk, Dv, LB, poisoned):
+    """window_and_local through the op with launch_config's tiles for these head dims (32-key
+    forward blocks three stages deep at D=64, which also let l' = 32 in): o, o_loc and lse_loc as
+    the twin's in fp64."""
+    G, W = 4, 2 * LB + 8
+    q, k, v, _ = make_inputs(1, 150, 1, G, Dk, Dv, torch.float32, extra=2, seed=9)
+    assert window_op.local_fits(W, LB, Dk, Dv)
+    o, o_loc, lse_loc = window_op.window_and_local(q, k, v, G, W, LB, impl="triton")
+    want_o, _, want_ol, want_ll = window_op.twin.forward(q.double(), k.double(), v.double(), G, W, Dk ** -0.5, LB)
+    torch.testing.assert_close(o.double(), want_o, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(o_loc.double(), want_ol, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse_loc.double(), want_ll.double(), atol=2e-6, rtol=2e-6)
+
+
 def test_tiles_cross():
     """Whether a row tile may hold tokens of two selection blocks, the case the forward's extra loop is for."""
     assert not window_op.tiles_cross(4, 64, 64) and not window_op.tiles_cross(16, 64, 64)
@@ -344,7 +360,9 @@ def test_tiles_cross():
 def test_local_fits():
     assert window_op.local_fits(512, 64) and window_op.local_fits(128, 64) and window_op.local_fits(512, 128)
     assert not window_op.local_fits(100, 64)  # the window would not hold the previous block whole
-    assert not window_op.local_fits(512, 32)  # key blocks of 64 do not tile l' = 32
+    # The forward's key blocks: 64 at D=128 (they do not tile l' = 32), 32 at D=64.
+    assert not window_op.local_fits(512, 32, 128, 128) and not window_op.local_fits(512, 32, 64, 128)
+    assert window_op.local_fits(512, 32, 64, 64) and not window_op.local_fits(512, 16, 64, 64)
     assert not window_op.local_fits(512, 0)
     q, k, v, _ = make_inputs(1, 40, 1, 4, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
