@@ -84,20 +84,24 @@ def compiled_step(over: dict[str, dict[str, int]], x: dict, do, cfg, grad: bool)
     op = torch.compile(namespace["op"], fullgraph=True, dynamic=False)
     modules = {m: importlib.import_module(path) for m, path in MODULES.items()}
     originals = {m: mod.launch_config for m, mod in modules.items()}
+    patched = {m: (lambda *a, _f=originals[m], _o=over[m], **k: {**_f(*a, **k), **_o}) for m in modules}
 
     def step():
-        out = op(x, cfg)
-        if grad:
-            out.backward(do)
-        return out
-
-    for m, mod in modules.items():
-        mod.launch_config = lambda *a, _f=originals[m], _o=over[m], **k: {**_f(*a, **k), **_o}
-    try:
-        out = step()  # traces and compiles with the overrides
-    finally:
+        # Every call under the same overrides: Dynamo inlines the window op's local_fits, which
+        # calls its launch_config, and guards on that function object; restored between calls,
+        # it would recompile this variant with the defaults.
         for m, mod in modules.items():
-            mod.launch_config = originals[m]
+            mod.launch_config = patched[m]
+        try:
+            out = op(x, cfg)
+            if grad:
+                out.backward(do)
+            return out
+        finally:
+            for m, mod in modules.items():
+                mod.launch_config = originals[m]
+
+    out = step()  # traces and compiles with the overrides
     result = [out.detach().float()] + ([x[n].grad.float() for n in ("q", "k", "v")] if grad else [])
     for t in x.values():
         t.grad = None
