@@ -9,7 +9,7 @@ patched here, nothing in the package changes), each timed at T = 64k and 32k wit
   notopk   scores summed into an accumulator instead of the top n (the fold kept)
   nofold   the exp'd scores summed before the group sum and the fold
   noexp    the raw scores summed (no exp either)
-Lost (--lost-out): with the exact walk of programs whose lists lost a block turned off (WALK 1),
+Lost (--lost-out): with the exact walk of programs whose lists lost a block turned off (REDO),
 the share of tokens and of programs whose lists (LISTS = 4, 6, 8; rotation on and off) lost one
 of their n best blocks, against the exact queues' selection, at 64k with G = 4 and 16.
 """
@@ -92,10 +92,8 @@ def lost(out: Path) -> None:
     launch = select_triton.launch_kernel
 
     def no_redo(kernel, grid, *args, **kwargs):
-        """The first launch alone: no exact walk for programs that lost a block (WALK=1)."""
-        if kwargs.get("WALK") == 2:
-            return None
-        return launch(kernel, grid, *args, **{**kwargs, "WALK": 1, "writes": (args[3], args[4])})
+        """The launch with the exact walk of programs that lost a block turned off (REDO=False)."""
+        return launch(kernel, grid, *args, **{**kwargs, "REDO": False})
 
     for T, Hq in ((65536, 16), (65536, 64)):
         q, k_cmp, lse = make_inputs(T, Hq, 4, 128, torch.bfloat16, config)

@@ -105,10 +105,7 @@ CASES = [
     # The queues alone (no lists), and one or two keys per list: most programs' lists lose a
     # block and the program walks again with the exact queues (without it these selections are wrong).
     pytest.param(1, 333, 4, 64, 6, "paper", HALF, dict(LISTS=0), id="G4-exact-queues"),
-    pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1, SPLIT=0), id="G4-n16-lists1"),
-    # The same with that second walk in a launch of its own (SPLIT, the default at G' <= 4).
-    pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1, SPLIT=1), id="G4-n16-lists1-split"),
-    pytest.param(2, 1100, 3, 32, 16, "paper", FP32, dict(LISTS=2, SPLIT=1), id="G3-n16-lists2-split-B2"),
+    pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1), id="G4-n16-lists1"),
     # A register cap: the launch through nsa_flex::capped_launch (the interpreter ignores the cap).
     pytest.param(1, 1500, 4, 64, 16, "paper", HALF, dict(BT=8, LISTS=1, maxnreg=128), id="G4-n16-lists1-maxnreg128"),
     pytest.param(1, 1500, 4, 128, 16, "paper", HALF, dict(LISTS=6), id="G4-n16-lists6"),
@@ -171,31 +168,18 @@ def test_launch_config_defaults():
     for G, BT in [(1, 16), (2, 16), (3, 16), (4, 16), (8, 16), (16, 8)]:
         for Dk in (64, 128, 192):
             assert select_triton.launch_config(G, Dk, 16) == {
-                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 0, "ROTATE": 1, "SPLIT": 0, "num_warps": 4, "num_stages": 2,
+                "BT": BT, "BS": 16, "DEPTH": 4, "LISTS": 0, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
                 "maxnreg": 0}
     assert select_triton.launch_config(4, 128, 32)["BS"] == 32
     # The lists from 32 tiles of selection blocks on (T = 32k at the paper's geometry), with a
-    # register cap of 128 at G' <= 4 and 168 at G' >= 8, Dk <= 128 only; at G' <= 4 8 keys and
-    # the second walk in a launch of its own, at G' >= 8 6 keys and one launch.
-    assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 8]
-    assert [(select_triton.launch_config(G, 128, 16, 1024)["LISTS"], select_triton.launch_config(G, 128, 16, 1024)["SPLIT"])
-            for G in (1, 3, 4, 8, 16)] == [(8, 1), (8, 1), (8, 1), (6, 0), (6, 0)]
+    # register cap of 128 at G' <= 4 and 168 at G' >= 8, Dk <= 128 only.
+    assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
     caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"]
             for G in (1, 2, 3, 4, 8, 16) for Dk in (64, 128, 192)}
     assert {key: cap for key, cap in caps.items() if cap} == {
         **{(G, Dk): 128 for G in (1, 2, 3, 4) for Dk in (64, 128)},
         **{(G, Dk): 168 for G in (8, 16) for Dk in (64, 128)}}
-
-
-def test_split_second_walk_equals_one_launch():
-    """With one key per list most programs lose a block: their second walk, in the same launch
-    or in a launch of its own, gives the same selection exactly."""
-    config = make_config(4, 64, 16)
-    q, k_cmp, lse = make_inputs(1, 1300, config, dtype=FP32, seed=11, device=DEVICE)
-    one = run_kernel(q, k_cmp, lse, config, dict(BT=8, LISTS=1, SPLIT=0))
-    two = run_kernel(q, k_cmp, lse, config, dict(BT=8, LISTS=1, SPLIT=1))
-    assert torch.equal(one, two)
 
 
 def test_lists_out_of_range():
@@ -208,7 +192,7 @@ def test_lists_out_of_range():
 def test_unknown_tile_key():
     config = make_config(2, 32, 4)
     q, k_cmp, lse = make_inputs(1, 64, config, device=DEVICE)
-    allowed = r"unknown selection tile keys \['NSUB', 'variant'\]; allowed: BT, BS, DEPTH, LISTS, ROTATE, SPLIT, num_warps"
+    allowed = r"unknown selection tile keys \['NSUB', 'variant'\]; allowed: BT, BS, DEPTH, LISTS, ROTATE, num_warps"
     with pytest.raises(ValueError, match=allowed):
         run_kernel(q, k_cmp, lse, config, {"variant": "cols", "NSUB": 4, "BT": 8})
 
@@ -230,10 +214,6 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
     pytest.param(*G16, dict(LISTS=6), id="G16-D128-lists6"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6), id="G4-lists6"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=128), id="G4-lists6-maxnreg128"),
-    # The default at G' <= 4 from 32k tokens: 8 keys, the second walk in a launch of its own;
-    # with one key most programs walk in it.
-    pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=8, SPLIT=1, maxnreg=128), id="G4-lists8-split"),
-    pytest.param(1, 5000, 4, 64, 16, "paper", torch.bfloat16, dict(LISTS=1, SPLIT=1, maxnreg=128), id="G4-D64-lists1-split"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=4, ROTATE=0), id="G4-lists4-no-rotation"),
     pytest.param(1, 5000, 8, 64, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=168), id="G8-D64-lists6-maxnreg168"),
     pytest.param(1, 5000, 8, 128, 16, "paper", torch.bfloat16, dict(LISTS=1, maxnreg=168), id="G8-lists1-maxnreg168"),
@@ -243,30 +223,27 @@ def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
     check(B, T, G, Dk, n, geometry, dtype, tiles, seed=T + G)
 
 
-def _select_lists(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, maxnreg: int, split: int) -> torch.Tensor:
+def _select_lists(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, maxnreg: int) -> torch.Tensor:
     """The kernel with one key per list, in a triton_op as nsa_flex::select_blocks runs it."""
     return select_triton.select_blocks_triton(q, k_cmp, lse, None, None, q.shape[-1] ** -0.5, make_config(4, 64, 16),
-                                              dict(BT=8, LISTS=1, maxnreg=maxnreg, SPLIT=split))
+                                              dict(BT=8, LISTS=1, maxnreg=maxnreg))
 
 
 if select_triton.HAS_TRITON:
     torch.library.triton_op("nsa_flex_test::select_lists", mutates_args=())(_select_lists)
     torch.library.register_fake("nsa_flex_test::select_lists")(
-        lambda q, k_cmp, lse, maxnreg, split: q.new_empty((q.shape[0], k_cmp.shape[2], q.shape[1], 16),
-                                                          dtype=torch.int32))
+        lambda q, k_cmp, lse, maxnreg: q.new_empty((q.shape[0], k_cmp.shape[2], q.shape[1], 16), dtype=torch.int32))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("maxnreg, split", [(0, 0), (128, 0), (128, 1)])
-def test_lists_and_exact_walk_under_fullgraph_compile(maxnreg, split):
+@pytest.mark.parametrize("maxnreg", [0, 128])
+def test_lists_and_exact_walk_under_fullgraph_compile(maxnreg):
     """The lists path traced by torch.compile(fullgraph=True): with one key per list most
-    programs walk again with the exact queues (in the same launch, or with split in a second
-    one), and the compiled selection must still equal the reference up to near-ties. With a
-    register cap the launch runs through nsa_flex::capped_launch."""
+    programs walk again with the exact queues, and the compiled selection must still equal the
+    reference up to near-ties. With a register cap the launch runs through nsa_flex::capped_launch."""
     config = make_config(4, 64, 16)
     q, k_cmp, lse = make_inputs(1, 1500, config, dtype=HALF, seed=5, device=DEVICE)
-    compiled = torch.compile(lambda q, k, l: torch.ops.nsa_flex_test.select_lists(q, k, l, maxnreg, split),
-                             fullgraph=True)
+    compiled = torch.compile(lambda q, k, l: torch.ops.nsa_flex_test.select_lists(q, k, l, maxnreg), fullgraph=True)
     got = compiled(q, k_cmp, lse)
     want, scores = reference_selection(q, k_cmp, lse, config)
     assert_same_selection(got, want, scores, selection_tolerance(q, k_cmp, lse, config))

@@ -45,7 +45,7 @@ except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its t
     HAS_TRITON = False
 
 # The keys of select_blocks_triton's tiles (maxnreg: a cap on registers per thread, 0 for none).
-TILE_KEYS = ("BT", "BS", "DEPTH", "LISTS", "ROTATE", "SPLIT", "num_warps", "num_stages", "maxnreg")
+TILE_KEYS = ("BT", "BS", "DEPTH", "LISTS", "ROTATE", "num_warps", "num_stages", "maxnreg")
 
 
 def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
@@ -82,11 +82,6 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     161 at Dk = 64, 226 at G' = 8, 197 at G' = 16 (two programs per SM); capped at 128 (G' <= 4,
     Dk <= 128; 56 / 20 bytes of spills at G' = 4, Dk = 128 / 64) four programs fit, capped at 168
     (G' >= 8, Dk <= 128; 60 / 52 bytes of spills at G' = 8, Dk = 128 / 64, none at 16) three.
-    The second walk's code cost the lists' kernel 0.32 ms at T=64k, G=4, Dk=128 and 0.12 at
-    seeds-125m's heads (H100, run or not; nothing at G=16). So at G' <= 4 (SPLIT) the first
-    launch holds the lists alone, with 8 keys (none of its programs lost a block on random
-    inputs; 128 registers with 8 bytes of spills at Dk = 128, none at 64), and a second launch
-    walks again, with the queues and uncapped (168 registers), only the programs it flagged.
     With Dk > 128 shared memory allows two programs per SM at most (three at G' = 1): no cap.
     One slot per queue in the second walk (fewer registers) was slower: a program that walks
     again merges at every tile, and the launch waits for it. Times and records: docs/decisions.md,
@@ -96,12 +91,9 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
     BS = max(16, next_pow2(n))
-    on = blocks >= 32 * BS
-    # At G' <= 4 the second walk gets a launch of its own (SPLIT), and the lists 8 keys.
-    split = on and GP <= 4
-    lists = (8 if split else 6) if on else 0
-    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "SPLIT": int(split), "num_warps": 4,
-            "num_stages": 2, "maxnreg": (128 if GP <= 4 else 168) if lists and Dk <= 128 else 0}
+    lists = 6 if blocks >= 32 * BS else 0
+    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
+            "maxnreg": (128 if GP <= 4 else 168) if lists and Dk <= 128 else 0}
 
 
 def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float, config: NSAConfig,
@@ -143,24 +135,19 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
         cu, cu_cmp = cu_seqlens.to(torch.int32), cu_seqlens_cmp.to(torch.int32)
         prog_doc, prog_tok = _program_table(cu, BT, n_blocks)
         n_programs = prog_doc.shape[0]
-    # Each program's flag: its lists lost a block (written by every program of a split first launch).
-    lost = torch.empty(n_programs * B * Hkv, dtype=torch.int32, device=q.device)
-    split = bool(tiles["LISTS"] and tiles["SPLIT"])
-    args = (q, k_cmp, lse, out, lost, cu, cu_cmp, prog_doc, prog_tok, T, Tc, n_blocks, Hkv, scale,
-            *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3])
-    consts = dict(G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
-                  R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
-                  SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
-                  N_INIT=config.n_initial, N_LOCAL=config.n_local,
-                  VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32, ROTATE=bool(tiles["ROTATE"]),
-                  num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
-    launch_kernel(_select_kernel, (n_programs, B * Hkv), *args, LISTS=tiles["LISTS"], WALK=1 if split else 0,
-                  writes=(out, lost) if split else (out,), maxnreg=tiles["maxnreg"], **consts)
-    if split:
-        # The programs whose lists lost a block (none, mostly: the rest exit at once) walk again
-        # with the exact queues, uncapped: few of them run, and not beside the lists' programs.
-        launch_kernel(_select_kernel, (n_programs, B * Hkv), *args, LISTS=0, WALK=2, writes=(out,), maxnreg=0,
-                      **consts)
+    launch_kernel(
+        _select_kernel, (n_programs, B * Hkv),
+        q, k_cmp, lse, out, cu, cu_cmp, prog_doc, prog_tok, T, Tc, n_blocks, Hkv, scale,
+        *q.stride()[:3], *k_cmp.stride()[:3], *lse.stride(), *out.stride()[:3],
+        G=G, GP=next_pow2(G), BT=BT, TL=min(8, BT), DK=Dk, DKP=max(16, next_pow2(Dk)),
+        R=R, RP=next_pow2(R), M_CMP=m, CMP_STRIDE=config.cmp_stride, CMP_BLOCK=config.cmp_block,
+        SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
+        N_INIT=config.n_initial, N_LOCAL=config.n_local,
+        VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
+        LISTS=tiles["LISTS"], ROTATE=bool(tiles["ROTATE"]), REDO=True,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], writes=(out,),
+        maxnreg=tiles["maxnreg"],
+    )
     return _pad_slots(out, config.n_selected)
 
 
@@ -218,7 +205,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_kernel(
-        q_ptr, k_ptr, lse_ptr, out_ptr, lost_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
+        q_ptr, k_ptr, lse_ptr, out_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
         T, Tc, n_blocks, Hkv, scale,
         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b, so_h, so_t,
         G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, TL: tl.constexpr, DK: tl.constexpr,
@@ -226,7 +213,7 @@ if HAS_TRITON:
         CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
         N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
         VARLEN: tl.constexpr, IEEE: tl.constexpr, LISTS: tl.constexpr, ROTATE: tl.constexpr,
-        WALK: tl.constexpr,
+        REDO: tl.constexpr,
     ):
         """Scores transposed, s^T = k_cmp tile . q^T: [BS*R' compression blocks, BT*G' columns].
 
@@ -237,40 +224,10 @@ if HAS_TRITON:
         token sees whole skip the causal mask.
 
         The walk over the tiles and its top-n are `_walk`'s. With LISTS > 0 a program whose
-        lists lost a block walks again with the exact queues. WALK 0: at once, in the same
-        launch (the few programs that do so overlap the others' work); WALK 1: not here, the
-        program stores whether its lists lost a block in lost_ptr [programs] (1 or 0); WALK 2
-        (a second launch, LISTS = 0): only the programs whose flag is set walk, with the queues,
-        and overwrite their rows. Split in two launches the lists' kernel holds none of the
-        second walk's code and registers.
+        lists lost a block walks again at once with the exact queues (REDO; only measurements
+        of how often the lists lose a block turn it off): in the same launch, so the few programs
+        that do so overlap the others' work instead of running alone in a launch of their own.
         """
-        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if WALK == 2:
-            if tl.load(lost_ptr + pid) != 0:
-                _select_program(q_ptr, k_ptr, lse_ptr, out_ptr, lost_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr,
-                                prog_tok_ptr, T, Tc, n_blocks, Hkv, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b,
-                                sl_h, sl_t, so_b, so_h, so_t, pid, G, GP, BT, TL, DK, DKP, R, RP, M_CMP, CMP_STRIDE,
-                                CMP_BLOCK, SEL_BLOCK, BS, DEPTH, N, N_INIT, N_LOCAL, VARLEN, IEEE, 0, ROTATE, 0)
-        else:
-            _select_program(q_ptr, k_ptr, lse_ptr, out_ptr, lost_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
-                            T, Tc, n_blocks, Hkv, scale, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b,
-                            so_h, so_t, pid, G, GP, BT, TL, DK, DKP, R, RP, M_CMP, CMP_STRIDE, CMP_BLOCK, SEL_BLOCK,
-                            BS, DEPTH, N, N_INIT, N_LOCAL, VARLEN, IEEE, LISTS, ROTATE, WALK)
-
-    @triton.jit
-    def _select_program(
-        q_ptr, k_ptr, lse_ptr, out_ptr, lost_ptr, cu_ptr, cu_cmp_ptr, prog_doc_ptr, prog_tok_ptr,
-        T, Tc, n_blocks, Hkv, scale,
-        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_h, sl_t, so_b, so_h, so_t, pid,
-        G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, TL: tl.constexpr, DK: tl.constexpr,
-        DKP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, CMP_STRIDE: tl.constexpr,
-        CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
-        N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-        VARLEN: tl.constexpr, IEEE: tl.constexpr, LISTS: tl.constexpr, ROTATE: tl.constexpr,
-        WALK: tl.constexpr,
-    ):
-        """One program of _select_kernel (see there): its tokens' selection to out, with WALK 1
-        its lost flag to lost_ptr[pid]."""
         BIG: tl.constexpr = 2147483647
         LOG2E: tl.constexpr = 1.4426950408889634
         b, h, tok0, bos, eos, cbos, clen = _program_range(
@@ -315,16 +272,13 @@ if HAS_TRITON:
         k_base = k_ptr + b * sk_b + h * sk_h
         top, lost = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles, n_whole,
                           GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE, LISTS, ROTATE)
-        if LISTS:
-            if WALK == 1:
-                tl.store(lost_ptr + pid, lost)
-            if WALK == 0:
-                if lost != 0:
-                    # The lists lost a block: the same walk with the exact queues (LISTS = 0).
-                    exact, unused = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own,
-                                          n_tiles, n_whole, GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT,
-                                          N_LOCAL, IEEE, 0, ROTATE)
-                    top = exact
+        if LISTS and REDO:
+            if lost != 0:
+                # The lists lost a block: the same walk with the exact queues (LISTS = 0).
+                exact, unused = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles,
+                                      n_whole, GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE,
+                                      0, ROTATE)
+                top = exact
 
         # Ascending ids, unused (-1: a -inf score) last.
         jb = tl.arange(0, BS)[None, :]
