@@ -45,3 +45,12 @@ def test_suite_runs_one_thread_and_the_interpreter_without_cuda():
         from triton.runtime.interpreter import InterpretedFunction
 
         assert isinstance(kernels._select_kernel, InterpretedFunction)
+
+
+def test_every_package_folder_is_installed():
+    """pyproject's package list names every folder of nsa_flex with an __init__.py (and the CLI):
+    a non-editable install (pip install ., a wheel) ships only the listed ones, and an op left out
+    there fails only outside the source tree."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "nsa_flex").rglob("__init__.py")}
+    assert on_disk | {"nsa_flex_cli"} == listed
