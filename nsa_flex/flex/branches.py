@@ -47,7 +47,6 @@ from nsa_flex.validate import needs_grad
 from nsa_flex.ops.fold import fold as fold_op
 from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
 from nsa_flex.ops import window as window_op
-from nsa_flex.ops.window_selected import window_selected
 
 
 # One function per Flex call, each compiled once here: separate code objects give each its
@@ -225,8 +224,15 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-        o_win, o_sel = window_and_selected(qs, k, v, k_win, v_win, block_indices, config, tiles, cu_seqlens,
-                                           with_local=k_win is k and forced_local)
+        # The window first: its op hands the selected op the partial over the local blocks.
+        o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,
+                                               with_local=k_win is k and forced_local)
+        # The op reads q in place from the folded copy the other calls keep: one saved copy of q.
+        if local is None:
+            o_sel = selected_attention(qs.buffer, k, v, block_indices, config, scale=scale, cu_seqlens=cu_seqlens,
+                                       folded=True)
+        else:
+            o_sel = _with_window_local(qs.buffer, k, v, block_indices, config, local, scale=scale, folded=True)
         return o_cmp, o_sel, o_win, block_indices
     keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
     o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,
@@ -237,30 +243,6 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
         k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs, q_room=qs.room)
     return o_cmp, o_sel, o_win, block_indices
-
-
-def window_and_selected(qs: _Queries, k, v, k_win, v_win, block_indices, config: NSAConfig, tiles: FlexTiles,
-                        cu_seqlens, with_local: bool):
-    """(o_win folded, o_sel [B, T, Hq, Dv]) with the block-centric selected op, which reads q in place
-    from the folded copy the other calls keep (one saved copy of q).
-
-    with_local (the selection lists both local blocks of every token, see _forces_local, and the
-    window reads k, v): where the window op runs and its tiles fit, the two branches share those
-    blocks, as one op (ops.window_selected) with tiles.local_backward "window", else the window
-    op's local partial goes to the selected op's forward."""
-    impl = window_impl(qs.fold, k_win, v_win, tiles, qs.docs)
-    if (with_local and impl != "flex" and tiles.local_backward == "window"
-            and window_op.local_fits(config.window, config.sel_block, qs.fold.shape[-1], v.shape[-1])):
-        return window_selected(qs.buffer, k, v, block_indices, config, scale=qs.scale, impl=impl)
-    # The window first: its op hands the selected op the partial over the local blocks.
-    o_win, local = window_and_local_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, qs.room,
-                                           with_local=with_local)
-    if local is None:
-        o_sel = selected_attention(qs.buffer, k, v, block_indices, config, scale=qs.scale, cu_seqlens=cu_seqlens,
-                                   folded=True)
-    else:
-        o_sel = _with_window_local(qs.buffer, k, v, block_indices, config, local, scale=qs.scale, folded=True)
-    return o_win, o_sel
 
 
 def _forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:

@@ -84,16 +84,7 @@ class FlexTiles:
     and the block-centric selected op's forward merges it in place of those two slots. False:
     the selected op computes every slot itself (the same values)."""
 
-    local_backward: str = "window"
-    """With the local partial, whose backward takes the local slots: "window" (the window's dQ and
-    dK/dV kernels add the selected branch's term over those keys, whose scores they compute
-    anyway; one op for both branches, nsa_flex::window_selected_attention) or "selected" (the
-    selected op's backward walks all n slots)."""
-
     def __post_init__(self) -> None:
-        if self.local_backward not in LOCAL_BACKWARDS:
-            raise ValueError(f"FlexTiles.local_backward={self.local_backward!r}: allowed "
-                             f"{', '.join(map(repr, LOCAL_BACKWARDS))}")
         if self.win_impl not in (None, *WINDOW_IMPLS):
             raise ValueError(f"FlexTiles.win_impl={self.win_impl!r}: allowed None (where it applies) or "
                              f"{', '.join(map(repr, WINDOW_IMPLS))}")
@@ -159,7 +150,6 @@ SHORT_SEQ_FACTOR = 2
 
 SELECTED_IMPLS = ("block", "flex")
 COMPRESSED_IMPLS = ("flex", "cudnn", "torch")
-LOCAL_BACKWARDS = ("window", "selected")
 WINDOW_IMPLS = ("triton", "flex", "torch")
 
 

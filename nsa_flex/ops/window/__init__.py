@@ -104,10 +104,10 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     if max(Dk, Dv) <= 64:
         return {"fwd_BM": 64, "fwd_BN": 32, "fwd_warps": 4, "fwd_stages": 3,
                 "dq_BM": 64, "dq_BN": 32, "dq_warps": 4, "dq_stages": 3,
-                "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1, "kv_sel_stages": 1, "kv_sel_pass": 0}
+                "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1}
     return {"fwd_BM": 64, "fwd_BN": 64, "fwd_warps": 4, "fwd_stages": 2,
             "dq_BM": 64, "dq_BN": 64, "dq_warps": 4, "dq_stages": 2,
-            "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2, "kv_sel_stages": 2, "kv_sel_pass": 1}
+            "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2}
 
 
 def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
@@ -150,13 +150,8 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
-             scale: float, cfg: dict[str, int], sel: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it.
-
-    sel: None, or (do_sel [B, T, Hq, Dv], lse_sel and delta_sel [B, Hq, T] fp32 natural log,
-    sel_block l') to add the selected branch's gradient over each row's two local blocks, whose
-    keys the kernels score anyway (needs W >= 2 l' and l' a multiple of the dQ kernel's key
-    blocks; see nsa_flex::window_selected_attention)."""
+             scale: float, cfg: dict[str, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it."""
     do, q, k, v = dense(do, q, k, v)
     B, T, Hkv, Dk = k.shape
     Dv = v.shape[-1]
@@ -167,31 +162,18 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     delta = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
     if B * Hkv * q.shape[2] == 0:
         return dq, dk, dv
-    if sel is None:
-        # Never read (SEL = 0): tensors the kernels read anyway stand in.
-        sel_args, sel_strides, sel_block = (do, lse, lse), (0,) * 6, 0
-    else:
-        do_sel, lse_sel, delta_sel, sel_block = sel
-        do_sel, lse_sel, delta_sel = dense(do_sel, lse_sel, delta_sel)
-        if sel_block < 1 or sel_block % cfg["dq_BN"] or window < 2 * sel_block:
-            raise ValueError(f"backward: sel_block {sel_block} must be a multiple of the dQ kernel's "
-                             f"{cfg['dq_BN']}-key blocks, with window {window} >= 2 * sel_block")
-        sel_args = (do_sel, lse_sel, delta_sel)
-        sel_strides = (*do_sel.stride()[:3], *lse_sel.stride())
     scale2 = scale * math.log2(math.e)
     common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-              *o.stride()[:3], *sel_strides)
+              *o.stride()[:3])
     BM = cfg["dq_BM"]
     wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
-        q, k, v, o, do, lse, dq, delta, *sel_args, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"], DK=Dk,
-        DV=Dv, SEL=sel_block, F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
+        q, k, v, o, do, lse, dq, delta, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"], DK=Dk, DV=Dv,
+        F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
     BN = cfg["kv_BN"]
     if T > 0:
         wrap_triton(kernels._dkdv_kernel)[(-(-T // BN), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, *sel_args, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk, DV=Dv,
-            SEL=sel_block, SEL_PASS=bool(sel_block and cfg.get("kv_sel_pass", 0)), F32_DOT=not q.is_cuda,
-            num_warps=cfg["kv_warps"],
-            num_stages=cfg.get("kv_sel_stages", cfg["kv_stages"]) if sel_block else cfg["kv_stages"])
+            q, k, v, do, lse, delta, dk, dv, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk, DV=Dv,
+            F32_DOT=not q.is_cuda, num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"])
     return dq, dk, dv
 
 

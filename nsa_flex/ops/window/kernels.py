@@ -11,12 +11,6 @@ row's lse (fp32, base 2). Backward, two launches, no atomics: _dq_kernel per row
 delta = rowsum(dO * O) for its rows), then _dkdv_kernel per key block, walking the row tiles
 that see the block (all G heads of its kv head: no GQA reduction afterwards).
 
-With SEL = l' > 0 the backward also takes the selected branch's gradient over each row's two
-local selection blocks (keys (t // l' - 1) l' .. t, inside the window): those keys' scores are
-the window's, so the term costs a dot for dP (and one for its dV) on the tiles that hold local
-keys, where the selected op's backward would load the rows again and write a dQ partial per slot
-(nsa_flex::window_selected_attention).
-
 Under Triton's interpreter (CPU tests) the dots run in fp32 (F32_DOT): its dot misreads
 16-bit inputs.
 """
@@ -37,26 +31,6 @@ if HAS_TRITON:
         d = tl.arange(0, D)
         return tl.load(ptr + b * s_b + h * s_h + rows.to(tl.int64)[:, None] * s_r + d[None, :],
                        mask=rows_ok[:, None], other=0.0)
-
-    @triton.jit
-    def _sel_rows(DOS, LSES, DELTAS, b, h, rows, rows_ok, s_sb, s_st, s_sh, s_lb, s_lh, s_lt, G: tl.constexpr,
-                  DV: tl.constexpr):
-        """The selected branch's (dO [BM, DV], lse base 2, delta) at folded rows `rows` of (b, h): dO
-        unfolded [B, T, Hq, DV], lse (natural log) and delta [B, Hq, T]. Pad rows: dO 0, lse +inf."""
-        LOG2E: tl.constexpr = 1.4426950408889634
-        tok = (rows // G).to(tl.int64)
-        hq = h * G + rows % G
-        d = tl.arange(0, DV)
-        dos = tl.load(DOS + b * s_sb + tok[:, None] * s_st + hq[:, None] * s_sh + d[None, :], mask=rows_ok[:, None],
-                      other=0.0)
-        stat = b * s_lb + hq * s_lh + tok * s_lt
-        lse_s2 = tl.load(LSES + stat, mask=rows_ok, other=float("inf")) * LOG2E
-        return dos, lse_s2, tl.load(DELTAS + stat, mask=rows_ok, other=0.0)
-
-    @triton.jit
-    def _local_keys(keys, tok, SEL: tl.constexpr):
-        """[rows, keys]: key s is in the selected branch's local blocks of token t: (t // l' - 1) l' <= s <= t."""
-        return (keys[None, :] <= tok[:, None]) & (keys[None, :] >= ((tok // SEL - 1) * SEL)[:, None])
 
     @triton.jit
     def _key_tile_t(ptr, b, h, keys, T, s_b, s_t, s_h, D: tl.constexpr):
@@ -177,32 +151,24 @@ if HAS_TRITON:
     @triton.jit
     def _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                  MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 F32_DOT: tl.constexpr, SEL: tl.constexpr = 0, dos=None, lse_s2=None, delta_s=None):
-        """One block of keys into dQ; with SEL > 0 the selected branch's term over each row's local
-        keys too (dos, lse_s2, delta_s: its dO rows, lse base 2 and delta)."""
+                 F32_DOT: tl.constexpr):
         keys = n0 + tl.arange(0, BN)
         kt = _key_tile_t(K, b, h, keys, T, s_kb, s_kt, s_kh, DK)
-        s = dot(q, kt, F32_DOT, False) * scale2
-        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2(dot(q, kt, F32_DOT, False) * scale2 - lse2[:, None])
         if MASKED:
             seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
             p = tl.where(seen, p, 0.0)
         vt = _key_tile_t(V, b, h, keys, T, s_vb, s_vt, s_vh, DV)
         ds = p * (dot(do, vt, F32_DOT, False) - delta[:, None])
-        if SEL > 0:
-            ps = tl.where(_local_keys(keys, tok, SEL), tl.math.exp2(s - lse_s2[:, None]), 0.0)
-            ds += ps * (dot(dos, vt, F32_DOT, False) - delta_s[:, None])
         return dq + dot(ds.to(kt.dtype), tl.trans(kt), F32_DOT, False)
 
     @triton.jit
-    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, DOS, LSES, DELTAS, RQ, T, R, Hkv, W, scale, scale2,
+    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, RQ, T, R, Hkv, W, scale, scale2,
                    s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
-                   s_sb, s_st, s_sh, s_lb, s_lh, s_lt,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   SEL: tl.constexpr, F32_DOT: tl.constexpr):
+                   F32_DOT: tl.constexpr):
         """dQ [B, Hkv, RQ, DK] of a row tile (zero at rows R .. RQ - 1; O's strides serve DO too), and
-        delta of its rows. SEL > 0: with the selected branch's term over the local keys (DOS, LSES,
-        DELTAS as _sel_rows reads them; unread otherwise)."""
+        delta of its rows."""
         sc = tl.cast(scale, tl.float32)
         sc2 = tl.cast(scale2, tl.float32)
         bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM)
@@ -214,32 +180,15 @@ if HAS_TRITON:
         lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
         dq = tl.zeros([BM, DK], tl.float32)
         first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
-        if SEL > 0:
-            dos, lse_s2, delta_s = _sel_rows(DOS, LSES, DELTAS, b, h, rows, rows_ok, s_sb, s_st, s_sh, s_lb, s_lh,
-                                             s_lt, G, DV)
-            # From the key block holding the tile's first local key on, the selected term too. Local
-            # keys lie in the window and before the diagonal's blocks (W >= 2 l', l' >= BN), so the
-            # blocks before them split as without it: cut by the window's start, then whole.
-            lo = tl.maximum((tl.maximum((t0 // SEL - 1) * SEL, 0) // BN) * BN, first)
-            for n0 in range(first, tl.minimum(mid_lo, lo), BN):
-                dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                              s_vh, True, BN, DK, DV, F32_DOT)
-            for n0 in range(tl.minimum(mid_lo, lo), lo, BN):
-                dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                              s_vh, False, BN, DK, DV, F32_DOT)
-            for n0 in range(lo, end, BN):
-                dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                              s_vh, True, BN, DK, DV, F32_DOT, SEL, dos, lse_s2, delta_s)
-        else:
-            for n0 in range(first, mid_lo, BN):
-                dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                              s_vh, True, BN, DK, DV, F32_DOT)
-            for n0 in range(mid_lo, mid_hi, BN):
-                dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                              s_vh, False, BN, DK, DV, F32_DOT)
-            for n0 in range(mid_hi, end, BN):
-                dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                              s_vh, True, BN, DK, DV, F32_DOT)
+        for n0 in range(first, mid_lo, BN):
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                          s_vh, True, BN, DK, DV, F32_DOT)
+        for n0 in range(mid_lo, mid_hi, BN):
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                          s_vh, False, BN, DK, DV, F32_DOT)
+        for n0 in range(mid_hi, end, BN):
+            dq = _dq_step(q, do, lse2, delta, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                          s_vh, True, BN, DK, DV, F32_DOT)
         dk_ = tl.arange(0, DK)
         tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
                  (dq * sc).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
@@ -247,8 +196,7 @@ if HAS_TRITON:
     @triton.jit
     def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, scale2, s_qb, s_qh, s_qr,
                    s_ob, s_oh, s_or, MASKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, F32_DOT: tl.constexpr, SEL: tl.constexpr = 0, DOS=None, LSES=None, DELTAS=None,
-                   s_sb=0, s_st=0, s_sh=0, s_lb=0, s_lh=0, s_lt=0):
+                   DV: tl.constexpr, F32_DOT: tl.constexpr):
         rows = r0 + tl.arange(0, BM)
         rows_ok = rows < R
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
@@ -257,52 +205,23 @@ if HAS_TRITON:
         lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=float("inf"))
         delta = tl.load(DELTA + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
         # [BN, BM]: keys down, rows across.
-        st = dot(k, tl.trans(q), F32_DOT, False) * scale2
-        pt = tl.math.exp2(st - lse2[None, :])
+        pt = tl.math.exp2(dot(k, tl.trans(q), F32_DOT, False) * scale2 - lse2[None, :])
         if MASKED:
             tok = rows // G
             seen = (keys[:, None] <= tok[None, :]) & (keys[:, None] > tok[None, :] - W)
             pt = tl.where(seen, pt, 0.0)
         dv += dot(pt.to(do.dtype), do, F32_DOT, False)
         dst = pt * (dot(v, tl.trans(do), F32_DOT, False) - delta[None, :])
-        if SEL > 0:
-            # The selected branch's term over the rows' local keys (see _dq_step).
-            dos, lse_s2, delta_s = _sel_rows(DOS, LSES, DELTAS, b, h, rows, rows_ok, s_sb, s_st, s_sh, s_lb, s_lh,
-                                             s_lt, G, DV)
-            pst = tl.where(tl.trans(_local_keys(keys, rows // G, SEL)), tl.math.exp2(st - lse_s2[None, :]), 0.0)
-            dv += dot(pst.to(dos.dtype), dos, F32_DOT, False)
-            dst += pst * (dot(v, tl.trans(dos), F32_DOT, False) - delta_s[None, :])
         dk += dot(dst.to(q.dtype), q, F32_DOT, False)
         return dk, dv
 
     @triton.jit
-    def _dkdv_sel_step(k, v, dk, dv, b, h, r0, keys, Q, DOS, LSES, DELTAS, R, scale2, s_qb, s_qh, s_qr, s_sb, s_st,
-                       s_sh, s_lb, s_lh, s_lt, G: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       F32_DOT: tl.constexpr, SEL: tl.constexpr):
-        """The selected branch's term alone over a row tile's local keys (a pass of its own: no
-        second dO tile in flight beside the window's)."""
-        rows = r0 + tl.arange(0, BM)
-        rows_ok = rows < R
-        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
-        dos, lse_s2, delta_s = _sel_rows(DOS, LSES, DELTAS, b, h, rows, rows_ok, s_sb, s_st, s_sh, s_lb, s_lh, s_lt,
-                                         G, DV)
-        st = dot(k, tl.trans(q), F32_DOT, False) * scale2
-        pst = tl.where(tl.trans(_local_keys(keys, rows // G, SEL)), tl.math.exp2(st - lse_s2[None, :]), 0.0)
-        dv += dot(pst.to(dos.dtype), dos, F32_DOT, False)
-        dst = pst * (dot(v, tl.trans(dos), F32_DOT, False) - delta_s[None, :])
-        dk += dot(dst.to(q.dtype), q, F32_DOT, False)
-        return dk, dv
-
-    @triton.jit
-    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, DOS, LSES, DELTAS, T, R, Hkv, W, scale, scale2,
+    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, T, R, Hkv, W, scale, scale2,
                      s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
-                     s_sb, s_st, s_sh, s_lb, s_lh, s_lt,
                      G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     SEL: tl.constexpr, SEL_PASS: tl.constexpr, F32_DOT: tl.constexpr):
+                     F32_DOT: tl.constexpr):
         """dK, dV [B, T, Hkv, D] (k's and v's strides) of key block program_id(0): the rows of
-        tokens s0 .. s0 + BN + W - 2 see some of its keys. SEL > 0: with the selected branch's term
-        over the local keys (as _dq_kernel), in the window's walk, or with SEL_PASS in a walk of
-        its own over those row tiles."""
+        tokens s0 .. s0 + BN + W - 2 see some of its keys."""
         sc = tl.cast(scale, tl.float32)
         sc2 = tl.cast(scale2, tl.float32)
         bh = tl.program_id(1)
@@ -324,29 +243,11 @@ if HAS_TRITON:
         t_last = tl.minimum(s0 + BN - 1 + W - 1, T - 1)
         r_first = (s0 * G // BM) * BM
         r_end = (t_last + 1) * G
-        r_stop = r_first + tl.cdiv(r_end - r_first, BM) * BM
         # A tile is whole when its first token >= s0 + BN - 1 and its last token <= s0 + W - 1.
         r_lo = r_first + tl.cdiv(tl.maximum((s0 + BN - 1) * G - r_first, 0), BM) * BM
         r_hi = tl.maximum(r_first + (((s0 + W) * G - r_first) // BM) * BM, r_lo)
-        r_hi = tl.minimum(r_hi, r_stop)
+        r_hi = tl.minimum(r_hi, r_first + tl.cdiv(r_end - r_first, BM) * BM)
         r_lo = tl.minimum(r_lo, r_hi)
-        if SEL > 0:
-            # Tokens before ((s0 + BN - 1) // l' + 2) l' hold some of the block's keys among their
-            # local ones: those tiles take the selected term, then the rest as below.
-            r_loc = r_first + tl.cdiv(tl.maximum(((s0 + BN - 1) // SEL + 2) * SEL * G - r_first, 0), BM) * BM
-            r_loc = tl.minimum(r_loc, r_stop)
-        if SEL > 0 and SEL_PASS:
-            for r0 in range(r_first, r_loc, BM):
-                dk, dv = _dkdv_sel_step(k, v, dk, dv, b, h, r0, keys, Q, DOS, LSES, DELTAS, R, sc2, s_qb, s_qh, s_qr,
-                                        s_sb, s_st, s_sh, s_lb, s_lh, s_lt, G, BM, DK, DV, F32_DOT, SEL)
-        if SEL > 0 and not SEL_PASS:
-            for r0 in range(r_first, r_loc, BM):
-                dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, sc2, s_qb, s_qh,
-                                    s_qr, s_ob, s_oh, s_or, True, G, BM, DK, DV, F32_DOT, SEL, DOS, LSES, DELTAS,
-                                    s_sb, s_st, s_sh, s_lb, s_lh, s_lt)
-            r_lo = tl.maximum(r_lo, r_loc)
-            r_hi = tl.maximum(r_hi, r_loc)
-            r_first = r_loc
         for r0 in range(r_first, r_lo, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, bh, R, W, sc2, s_qb, s_qh,
                                 s_qr, s_ob, s_oh, s_or, True, G, BM, DK, DV, F32_DOT)
