@@ -9,7 +9,7 @@ that stored its results under a constexpr branch once did that to the gated sum'
 
 The analysis needs the kernels as JIT functions, not Triton's interpreter's, and a GPU target:
 so a subprocess without TRITON_INTERPRET runs the op's own launch functions (window, selected,
-gated sum, fold, selection) on small CPU tensors, with Triton's driver answering for an sm_90
+gated sum, fold, selection, and the gated node's backward) on small CPU tensors, with Triton's driver answering for an sm_90
 GPU, analyses each launch instead of running it and reports the op inputs it would count as
 written. No GPU and no kernel run is needed.
 """
@@ -122,6 +122,13 @@ sl.forward_gated(qf, k, v, sel, None, scale, L, cmp_rows, 0, o_win, gates, q_hea
 gs._forward_impl(cmp_rows, 0, o_sel, o_win, gates, "triton")
 gs._backward_impl(do, cmp_rows, 0, o_sel, o_win, gates, "triton")
 sk.select_blocks_triton(q, k_cmp, lse_cmp, None, None, scale, cfg)
+# nsa_flex::gated_branches' backward: the gated sum's deltas, the window's and the selected op's kernels from dO.
+d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = gs.backward_deltas(do, cmp_rows, 0, o_sel, o_win, gates)
+grads = win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, gate=gate_win, delta=delta_win,
+                     sel=(lse_sel, delta_sel, gate_sel, L))
+grads = tuple(torch.zeros_like(x) for x in (qf, k, v))
+sl.backward(do, qf, k, v, o_sel, lse_sel, sel, None, scale, L, q_heads=G * Hkv, gate=gate_sel, delta=delta_sel,
+            skip_local=True, acc=grads)
 print(json.dumps({"rows": rows, "fell_back": fell_back}))
 '''
 
@@ -156,7 +163,7 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     seen = {r["kernel"] for r in analysis["rows"]}
     assert {"_fold_kernel", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_bwd_kernel", "_delta_kernel",
             "_slot_kernel", "_block_sum_kernel", "_slot_gated_kernel", "_sum_kernel", "_sum_bwd_kernel",
-            "_select_kernel"} <= seen, seen
+            "_select_kernel", "_sum_deltas_kernel"} <= seen, seen
     # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else.
     dq = next(r for r in analysis["rows"] if r["kernel"] == "_dq_kernel")
     assert dq["writes"] == ["DELTA", "DQ"]

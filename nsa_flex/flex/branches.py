@@ -47,6 +47,7 @@ from nsa_flex.validate import needs_grad
 from nsa_flex.ops.fold import fold as fold_op
 from nsa_flex.ops.gated_sum import gated_sum as gated_sum_op
 from nsa_flex.ops import window as window_op
+from nsa_flex.ops.gated_branches import gated_branches
 
 
 # One function per Flex call, each compiled once here: separate code objects give each its
@@ -122,17 +123,19 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     tiles: BlockMask block sizes and layout choices (speed knobs, see FlexTiles).
 
     Where no input needs a gradient and the selected branch is the block-centric op, the gated sum
-    runs inside that op (nsa_flex_no_grad): the same values, fewer bytes.
+    runs inside that op (nsa_flex_no_grad): the same values, fewer bytes. With gradients, where the
+    window op runs and the selection lists both local blocks (tiles.gated_node), the window and
+    selected branches and the gated sum are one node (ops.gated_branches).
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     T, G = q.shape[1], q.shape[2] // k.shape[2]
     if not needs_grad(q, k, v, k_cmp, v_cmp, gates, k_win, v_win) and tiles.selected_impl(T, G) == "block":
         return nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
                                 cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
-    o_cmp, o_sel, o_win, block_indices = nsa_flex_branches(
-        q, k, v, k_cmp, v_cmp, config, block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win,
-        v_win=v_win, tiles=tiles)
-    return gated_sum(o_cmp, o_sel, o_win, gates), block_indices
+    o_cmp, o_sel, o_win, block_indices, o = _branches(
+        q, k, v, k_cmp, v_cmp, config, gates=gates, block_indices=block_indices, cu_seqlens=cu_seqlens,
+        k_win=k_win, v_win=v_win, tiles=tiles)
+    return (gated_sum(o_cmp, o_sel, o_win, gates) if o is None else o), block_indices
 
 
 def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
@@ -214,6 +217,16 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     folded copy, kept for the gated sum's backward, would be a second [T, Hq, Dv] per layer.
     """
     _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
+    o_cmp, o_sel, o_win, block_indices, _ = _branches(q, k, v, k_cmp, v_cmp, config, block_indices=block_indices,
+                                                      cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
+    return o_cmp, o_sel, o_win, block_indices
+
+
+def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_indices=None, cu_seqlens=None,
+              k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
+    """nsa_flex_branches' (o_cmp, o_sel, o_win, block_indices), and o: with gates, where the window
+    and selected branches share their local blocks (_gated_node), the gated sum from one node,
+    o_sel and o_win then None; else None."""
     T, Hkv = q.shape[1], k.shape[2]
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     q_fold, scale, docs = qs.fold, qs.scale, qs.docs
@@ -224,6 +237,10 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
     G = q.shape[2] // Hkv
     if tiles.selected_impl(T, G) == "block":
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
+        if gates is not None and _gated_node(qs, k_win, v_win, config, tiles, with_local=k_win is k and forced_local):
+            o = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates, scale=scale,
+                               impl=window_impl(q_fold, k, v, tiles, docs))
+            return o_cmp, None, None, block_indices, o
         # The window first: its op hands the selected op the partial over the local blocks.
         o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,
                                                with_local=k_win is k and forced_local)
@@ -233,7 +250,7 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
                                        folded=True)
         else:
             o_sel = _with_window_local(qs.buffer, k, v, block_indices, config, local, scale=scale, folded=True)
-        return o_cmp, o_sel, o_win, block_indices
+        return o_cmp, o_sel, o_win, block_indices, None
     keys = selected_keys(k, v, G, config, tiles, docs, forced_initial)
     o_sel = unfold(selected_branch(q_fold, k, v, block_indices, config, scale, tiles, docs, forced_initial,
                                    keys=keys), T)
@@ -242,7 +259,16 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices
         # initial-block copies those are new tensors, and one saved copy of K/V beats two.
         k_win, v_win = keys.k[:, :, :T].transpose(1, 2), keys.v[:, :, :T].transpose(1, 2)
     o_win = window_branch(q_fold, k_win, v_win, config, scale, tiles, docs, q_room=qs.room)
-    return o_cmp, o_sel, o_win, block_indices
+    return o_cmp, o_sel, o_win, block_indices, None
+
+
+def _gated_node(qs: _Queries, k_win, v_win, config: NSAConfig, tiles: FlexTiles, with_local: bool) -> bool:
+    """Whether the window and selected branches and the gated sum run as one node
+    (ops.gated_branches): tiles.gated_node, the local partial's conditions (with_local: the
+    selection lists both local blocks and the window reads the selected branch's keys) and the
+    window op's kernels or twin running, with tiles that fit."""
+    return (tiles.gated_node and with_local and window_impl(qs.fold, k_win, v_win, tiles, qs.docs) != "flex"
+            and window_op.local_fits(config.window, config.sel_block, qs.fold.shape[-1], v_win.shape[-1]))
 
 
 def _forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:

@@ -84,6 +84,16 @@ class FlexTiles:
     and the block-centric selected op's forward merges it in place of those two slots. False:
     the selected op computes every slot itself (the same values)."""
 
+    gated_node: bool = True
+    """With gradients and the local partial (above): the window and selected branches and the
+    gated sum run as one autograd node (nsa_flex::gated_branches), whose backward takes those two
+    branches' output gradients as the gates times dO inside their kernels, and the local slots in
+    the window's kernels: at 64k, fwd+bwd 30.44 against 31.10 ms at g4, 13.57 against 13.76 at
+    seeds-125m's heads, 770 / 240 MiB less peak (H100, docs/decisions.md, "The gated sum as one
+    op"). False: three ops, the gated sum writing each branch's output gradient.
+    nsa_flex_branches (NSAAttention's path, whose gated sum is recomputed in the backward) keeps
+    the three ops."""
+
     def __post_init__(self) -> None:
         if self.win_impl not in (None, *WINDOW_IMPLS):
             raise ValueError(f"FlexTiles.win_impl={self.win_impl!r}: allowed None (where it applies) or "

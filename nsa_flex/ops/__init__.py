@@ -5,6 +5,8 @@
   nsa_flex::selected_gated_sum, its forward with the gated sum as the merge's epilogue (no backward).
 - `window/`: nsa_flex::window_attention, the sliding window over folded queries (kernels for its band).
 - `gated_sum/`: nsa_flex::gated_sum, the branches' gated sum read from the layouts they leave.
+- `gated_branches`: nsa_flex::gated_branches, the window and selected branches with the gated sum as
+  one autograd node (the flex path's, with gradients), its backward working from dO and the gates.
 - `fold/`: nsa_flex::fold, the folded queries as one buffer for every call that reads them.
 - `decode/`: one decode step: the cache update (cache_step, with phi_step for completed blocks)
   and the fused attention of one token (decode_attend), both in one op (step_attend).

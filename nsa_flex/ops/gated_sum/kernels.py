@@ -97,3 +97,52 @@ if HAS_TRITON:
         tl.store(dgate, tl.sum(do * x_cmp, axis=1).to(ty), mask=ok)
         tl.store(dgate + 1, tl.sum(do * x_sel, axis=1).to(ty), mask=ok)
         tl.store(dgate + 2, tl.sum(do * x_win, axis=1).to(ty), mask=ok)
+
+    @triton.jit
+    def _sum_deltas_kernel(
+        do_ptr, cmp_ptr, sel_ptr, win_ptr, gate_ptr, dcmp_ptr, dgate_ptr, delta_sel_ptr, delta_win_ptr, gate_sel_ptr,
+        gate_win_ptr, T, Hkv, G,
+        HEAD, RC, sdo_b, sdo_t, sdo_h, sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h,
+        sdg_b, sdg_t, sdg_h,
+        ROWS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    ):
+        """_sum_bwd_kernel for a caller that takes the selected and window branches' output
+        gradients as g_b dO inside their own kernels (nsa_flex::gated_branches): the compressed
+        branch's g_cmp dO and the gates' gradients as there, and in place of the other two
+        gradients their deltas rowsum(dO * o_b) in fp32 (the gates' gradients before rounding):
+        delta_sel [B, Hq, T], delta_win [B, Hkv, T G], dense; and their gates as fp32 rows in the
+        same layouts (gate_sel, gate_win), which those kernels read as they read lse."""
+        b, h, r, t, hq = _rows(T, Hkv, G, ROWS)
+        d = tl.arange(0, DP)
+        d_ok = d[None, :] < D
+        ok = r < T * G
+        c = r - HEAD
+        c_ok = (c >= 0) & (c < RC)
+        m = ok[:, None] & d_ok
+        gate = gate_ptr + b * sg_b + t * sg_t + hq * sg_h
+        g0 = tl.load(gate, mask=ok, other=0.0).to(tl.float32)
+        g1 = tl.load(gate + 1, mask=ok, other=0.0).to(tl.float32)
+        g2 = tl.load(gate + 2, mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + b * sdo_b + t[:, None] * sdo_t + hq[:, None] * sdo_h + d[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        at_cmp = b * sc_b + h * sc_h + c[:, None] * sc_r + d[None, :]
+        x_cmp = tl.load(cmp_ptr + at_cmp, mask=(ok & c_ok)[:, None] & d_ok, other=0.0).to(tl.float32)
+        x_sel = tl.load(sel_ptr + b * ss_b + t[:, None] * ss_t + hq[:, None] * ss_h + d[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+        x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+        # Past the sequence do is 0 (masked), so the padding rows of the compressed buffer get zeros.
+        tl.store(dcmp_ptr + at_cmp, (g0[:, None] * do).to(dcmp_ptr.dtype.element_ty), mask=c_ok[:, None] & d_ok)
+        d_sel = tl.sum(do * x_sel, axis=1)
+        d_win = tl.sum(do * x_win, axis=1)
+        dgate = dgate_ptr + b * sdg_b + t * sdg_t + hq * sdg_h
+        ty = dgate_ptr.dtype.element_ty
+        tl.store(dgate, tl.sum(do * x_cmp, axis=1).to(ty), mask=ok)
+        tl.store(dgate + 1, d_sel.to(ty), mask=ok)
+        tl.store(dgate + 2, d_win.to(ty), mask=ok)
+        at_sel = (b * Hkv * G + hq) * T + t
+        at_win = (b * Hkv + h) * T * G + r
+        tl.store(delta_sel_ptr + at_sel, d_sel, mask=ok)
+        tl.store(delta_win_ptr + at_win, d_win, mask=ok)
+        tl.store(gate_sel_ptr + at_sel, g1, mask=ok)
+        tl.store(gate_win_ptr + at_win, g2, mask=ok)

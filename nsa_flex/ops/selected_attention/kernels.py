@@ -127,17 +127,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr = False,
     ):
         """dQ partials [B,T',Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
+        GATED: dO is the gated sum's output gradient and the branch's is g_sel dO, with g_sel per row
+        in gate [B, Hq, T] fp32 (lse's layout): P' = g P stands for it, nothing written.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
@@ -168,6 +170,8 @@ if HAS_TRITON:
                 vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
                 # A row with no visible key anywhere has lse -inf and no visible key here either.
                 p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
+                if GATED:
+                    p = p * tl.load(gate_ptr + stat, mask=row_ok, other=0.0)[:, None]
                 dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
                 dp = dot(do_md, v_dl, F32_DOT, IEEE)
                 ds = (p * (dp - delta[:, None])).to(q_md.dtype)
@@ -185,7 +189,7 @@ if HAS_TRITON:
         dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
         blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        SUMS: tl.constexpr, ADD: tl.constexpr,
+        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
     ):
         """dK, dV of one (batch, kv head, virtual block) for the token range [T0, T1): its items'
         partials summed in item order.
@@ -197,7 +201,8 @@ if HAS_TRITON:
         T1 is final already and is skipped; one that starts in [T0, T1) is final in this range
         and goes to dk / dv; one that starts before T0 still waits for earlier ranges and goes
         to the fp32 sums dk_sum / dv_sum (dK/dV's strides). ADD: the sums hold the later
-        ranges' contributions, read and added."""
+        ranges' contributions, read and added. ACC: dk / dv hold another gradient already, which
+        a block adds where it is final."""
         row = tl.program_id(0)
         vb = row % Nv
         b = (row // Nv // Hkv).to(tl.int64)
@@ -228,8 +233,14 @@ if HAS_TRITON:
         if ADD:
             dk_acc += tl.load(dk_sum_ptr + k_at, mask=k_ok, other=0.0)
             dv_acc += tl.load(dv_sum_ptr + v_at, mask=v_ok, other=0.0)
-        tl.store(dk_ptr + k_at, dk_acc.to(dk_ptr.dtype.element_ty), mask=k_ok & final)
-        tl.store(dv_ptr + v_at, dv_acc.to(dv_ptr.dtype.element_ty), mask=v_ok & final)
+        if ACC:
+            dk_out = dk_acc + tl.load(dk_ptr + k_at, mask=k_ok & final, other=0.0).to(tl.float32)
+            dv_out = dv_acc + tl.load(dv_ptr + v_at, mask=v_ok & final, other=0.0).to(tl.float32)
+        else:
+            dk_out = dk_acc
+            dv_out = dv_acc
+        tl.store(dk_ptr + k_at, dk_out.to(dk_ptr.dtype.element_ty), mask=k_ok & final)
+        tl.store(dv_ptr + v_at, dv_out.to(dv_ptr.dtype.element_ty), mask=v_ok & final)
         if SUMS:
             tl.store(dk_sum_ptr + k_at, dk_acc, mask=k_ok & ~final)
             tl.store(dv_sum_ptr + v_at, dv_acc, mask=v_ok & ~final)
@@ -240,7 +251,7 @@ if HAS_TRITON:
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
         so_b, so_t, so_kv, so_g, sl_b, sl_h, sl_t, sx_b, sx_h, sx_r, sxl_b, sxl_h,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        DP: tl.constexpr, MERGE: tl.constexpr, LOCAL: tl.constexpr,
+        DP: tl.constexpr, MERGE: tl.constexpr, LOCAL: tl.constexpr, ACC: tl.constexpr = False,
     ):
         """One (b, t, kv head h) of the range: for each of its G query heads, the n slots' partials
         [n, D] -> out [D] in out's dtype at token T0 + t (part, plse, gid: [B, T', ...] of the
@@ -254,7 +265,8 @@ if HAS_TRITON:
         token's two local blocks (loc [B, Hkv, R, D] folded, loc_lse [B, Hkv, R] base 2, rows at
         absolute tokens; the index left those slots out). Else a plain sum (dQ). Slots that read nothing
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
-        t >= T (rows of a folded buffer past the sequence) get zeros.
+        t >= T (rows of a folded buffer past the sequence) get zeros. ACC (sum only): out holds
+        another gradient of these rows already, which the sum adds to.
         """
         b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
             gid_ptr, TG, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
@@ -271,8 +283,10 @@ if HAS_TRITON:
             for slot in tl.static_range(N):
                 ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
                 out += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        out_at = out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :]
+        if ACC:
+            out += tl.load(out_at, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
     def _slot_program(gid_ptr, TG, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G: tl.constexpr, GP: tl.constexpr,

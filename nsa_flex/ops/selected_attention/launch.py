@@ -278,9 +278,16 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None,
-             q_heads: int = 0):
+             q_heads: int = 0, *, gate=None, delta=None, skip_local: bool = False, acc=None):
     """(dq, dk, dv) in the inputs' dtypes on the Triton path, dq in q's layout (a folded q's rows past
-    T * G get zeros); lse and q_heads as forward takes and returns them."""
+    T * G get zeros); lse and q_heads as forward takes and returns them.
+
+    gate [B, Hq, T] fp32 (lse's layout): do is the gated sum's output gradient, the branch's being
+    gate * dO, which the kernel takes as P' = g P (nothing written); delta must then be given. delta:
+    rowsum(dO * O) [B, Hq, T] fp32 (computed here when None). skip_local: the slots of each token's
+    two local blocks are left out (without_local): the window's backward took them. acc: None, or
+    (dq, dk, dv) holding another gradient of q, k, v in these layouts (contiguous); the sums are
+    added to them in place and they are returned."""
     q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
     Hq, Dk = query_heads(q, q_heads), q.shape[-1]
@@ -290,9 +297,20 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     consts = _constexprs(q, v, G, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
     do, lse = dense(do, lse)
+    if gate is not None and delta is None:
+        raise ValueError("backward: a gate needs delta = rowsum(dO * o_sel) [B, Hq, T]")
     # delta = rowsum(dO * O) in fp32, [B, Hq, T] like lse (the kernel reads both at one offset).
-    delta = _delta(do, o)
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    delta = _delta(do, o) if delta is None else dense(delta)[0]
+    if gate is not None:
+        gate, = dense(gate)
+        if gate.shape != lse.shape or gate.stride() != lse.stride():
+            raise ValueError(f"backward: gate {tuple(gate.shape)} must be laid out as lse {tuple(lse.shape)}")
+    if acc is None:
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    else:
+        dq, dk, dv = acc
+        if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape) or not all(x.is_contiguous() for x in acc):
+            raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
     ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
@@ -302,18 +320,21 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if sums else None
     dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if sums else None
     for i, (t0, t1) in enumerate(reversed(ranges)):
-        index, items = index_and_items(_range_of(block_indices, t0, t1), sel_block, cu_seqlens,
-                                       cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
+        selection = _range_of(block_indices, t0, t1)
+        if skip_local:
+            selection = without_local(selection, sel_block, t0)
+        index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         if W > 0:
             launch(kernels._bwd_kernel, (W,),
-                   q, k, v, do, lse, delta, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
+                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
                    index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *_q_strides(q, G, folded),
-                   *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4],
-                   writes=(dqp, dkp, dvp), **consts, **_launch(cfg, "bwd"))
+                   *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
+                   *dqp.stride()[:4], writes=(dqp, dkp, dvp), GATED=gate is not None, **consts,
+                   **_launch(cfg, "bwd"))
         if B * Hkv * Nv > 0:
             # One range: no sums; the index's counts and offsets (int32 tensors no other argument
             # aliases) stand in for them, never read or written.
@@ -321,10 +342,11 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 dkp, dvp, dk, dv, dk_sum if sums else index.counts, dv_sum if sums else index.offsets,
                 items.first_item, items.n_items, index.blk_start, index.blk_end, Hkv, Nv, t0, t1,
                 *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"], DV=consts["DV"],
-                DVP=consts["DVP"], SUMS=sums, ADD=i > 0, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
-        # The last range also zeroes a folded dq's rows past the sequence.
+                DVP=consts["DVP"], SUMS=sums, ADD=i > 0, ACC=acc is not None,
+                num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
+        # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
-        _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad)
+        _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
     return dq, dk, dv
 
 
@@ -377,11 +399,12 @@ def _tracing(x: Tensor) -> bool:
     return torch.compiler.is_compiling() or type(x) is not Tensor or torch._guards.TracingContext.try_get() is not None
 
 
-def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0, local=None) -> None:
+def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0, local=None,
+              acc: bool = False) -> None:
     """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
     given; with the local partial when given, as forward takes it) or summed (dQ, plse None);
     out_strides as _q_strides gives them. pad: that many tokens after the range get zeros (rows
-    of a folded dQ past the sequence)."""
+    of a folded dQ past the sequence). acc (sum only): add to what out holds."""
     B, T, Hq, n, D = part.shape
     if B * (T + pad) * Hq == 0:
         return
@@ -400,7 +423,7 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
     wrap_triton(kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
         part, plse_, gid, out, lse_, loc, loc_lse, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
         *out_strides, *sl, *loc_strides, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
-        LOCAL=local is not None, num_warps=_slot_warps(GP, DP))
+        LOCAL=local is not None, ACC=acc, num_warps=_slot_warps(GP, DP))
 
 
 def _slot_warps(GP: int, DP: int) -> int:

@@ -150,30 +150,63 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
-             scale: float, cfg: dict[str, int]) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it."""
-    do, q, k, v = dense(do, q, k, v)
+             scale: float, cfg: dict[str, int], *, gate: Tensor | None = None, delta: Tensor | None = None,
+             sel: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it.
+
+    do: the window output's gradient, folded like o. With gate (the window's gate per row, fp32
+    [B, Hkv, R] like lse) instead: do is the gated sum's output gradient [B, T, Hq, Dv] (the
+    window's is gate * dO, never written; P' = g P in the kernels) and delta [B, Hkv, R] fp32 =
+    rowsum(dO * o) comes given. sel (with gate): (lse_sel, delta_sel, gate_sel [B, Hq, T] fp32,
+    lse in natural log, delta_sel = rowsum(dO * o_sel), l'): the kernels also add the selected
+    branch's gradient over each row's two local blocks, whose keys they score anyway (W >= 2 l',
+    l' a multiple of the dQ kernel's key blocks)."""
+    q, k, v = dense(q, k, v)
     B, T, Hkv, Dk = k.shape
     Dv = v.shape[-1]
     R = T * group
     # dQ covers q's rows past T*G too (zeros there: no key, no output gradient).
     dq = torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
     if B * Hkv * q.shape[2] == 0:
         return dq, dk, dv
+    gated = gate is not None
+    if gated:
+        if delta is None:
+            raise ValueError("backward: a gate needs delta [B, Hkv, R] = rowsum(dO * o)")
+        do, gate, delta = dense(do, gate, delta)
+        # do [B, T, Hq, Dv]: row t * G + g of kv head h is query head h * G + g at token t.
+        do_rows = (do.stride(0), group * do.stride(2), do.stride(1), do.stride(2))
+    else:
+        do, = dense(do)
+        delta = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
+        do_rows = (do.stride(0), do.stride(1), group * do.stride(2), do.stride(2))
+    sel_block = 0
+    if sel is None:
+        # Never read (SEL = 0): tensors the kernels read anyway stand in.
+        sel_args, sel_strides = (lse, lse, lse), (0, 0, 0)
+    else:
+        lse_sel, delta_sel, gate_sel, sel_block = sel
+        if not gated or sel_block < 1 or sel_block % cfg["dq_BN"] or window < 2 * sel_block:
+            raise ValueError(f"backward: sel needs a gate, and l' = {sel_block} a multiple of the dQ kernel's "
+                             f"{cfg['dq_BN']}-key blocks with window {window} >= 2 l'")
+        lse_sel, delta_sel, gate_sel = dense(lse_sel, delta_sel, gate_sel)
+        sel_args, sel_strides = (lse_sel, delta_sel, gate_sel), lse_sel.stride()
+    gate_arg = gate if gated else lse
     scale2 = scale * math.log2(math.e)
     common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-              *o.stride()[:3])
+              *o.stride()[:3], *do_rows, *sel_strides)
     BM = cfg["dq_BM"]
     wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
-        q, k, v, o, do, lse, dq, delta, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"], DK=Dk, DV=Dv,
-        F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
+        q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"],
+        DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"],
+        num_stages=cfg["dq_stages"])
     BN = cfg["kv_BN"]
     if T > 0:
         wrap_triton(kernels._dkdv_kernel)[(-(-T // BN), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk, DV=Dv,
-            F32_DOT=not q.is_cuda, num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"])
+            q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk,
+            DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda, num_warps=cfg["kv_warps"],
+            num_stages=cfg["kv_stages"])
     return dq, dk, dv
 
 

@@ -1,0 +1,150 @@
+"""The window and selected branches with NSA's gated sum, as one autograd node: nsa_flex::gated_branches.
+
+o = g_cmp o_cmp + g_sel o_sel + g_win o_win, with o_sel and o_win computed here (the compressed
+output comes in, as cmp_rows, and its gradient goes out). One node lets the backward work from dO
+itself:
+
+- A branch's output gradient is g_b dO. Its backward needs it only through P' = g_b P (dV = P'^T dO,
+  dS = P' (dO V^T - delta)), with delta = rowsum(dO o_b), the gate's gradient already. So the
+  gated sum's backward writes the compressed branch's g_cmp dO (cuDNN's backward reads it), the
+  gates' gradients, and for the other two branches their deltas and gates as fp32 rows laid out
+  like their lse, which their kernels read as they read lse and multiply P by: the two
+  [T, Hq, Dv] gradients are never written, nor delta computed again. (Read from the gates tensor
+  itself, [T, Hq, 3] in 16 bits, the gates cost the kernels ~0.9 ms at g4, 64k: one gather per row.)
+- The window of W >= 2 l' holds each token's two local selection blocks whole. The forward's
+  window kernel stores the softmax over them (ops.window.window_and_local) and the selected op
+  merges it in place of those slots; in the backward the window's kernels add the selected term
+  over those keys, sharing the scores and dP (both branches see dO), and the selected backward
+  walks the other n - 2 slots, adding its sums into the window's gradients in place.
+
+The node trusts its selection: every token's block_indices must list its own block and the one
+before (the selection op's own selection with n_local = 2). So it is not public: the flex path
+calls it where that holds (flex.branches._forces_local). Off the kernels (impl="torch", or off
+CUDA) it runs the three ops' torch twins, which compute every slot themselves.
+"""
+
+# No `from __future__ import annotations` here: torch.library reads the ops' annotations.
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from nsa_flex.config import NSAConfig
+from nsa_flex.folded import fold
+from nsa_flex.ops.gated_sum import _forward_impl as gated_sum_forward
+from nsa_flex.ops.gated_sum import backward_deltas, check_branch_outputs
+from nsa_flex.ops import window as window_op
+from nsa_flex.ops.gated_sum import twin as gated_sum_twin
+from nsa_flex.ops.selected_attention import _check_inputs as check_selected
+from nsa_flex.ops.selected_attention import _unfolded
+from nsa_flex.ops.selected_attention import launch as selected_launch
+from nsa_flex.ops.selected_attention import twin as selected_twin
+from nsa_flex.ops.triton_utils import dense, quiet_without_triton
+
+
+def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
+                   cmp_head: int, gates: Tensor, *, scale: float | None = None, impl: str = "auto") -> Tensor:
+    """o [B, T, Hq, Dv] in q's dtype; differentiable in q, k, v, cmp_rows and gates.
+
+    q [B, Hkv, R >= T*G, Dk] folded (nsa_flex.folded, Hq = config.n_heads), read in place; k
+    [B, T, Hkv, Dk], v [B, T, Hkv, Dv] (the window's keys too); block_indices [B, Hkv, T, n] listing
+    each token's own selection block and the one before (see the module docstring); cmp_rows,
+    cmp_head, gates as nsa_flex::gated_sum takes them. The window is config.window keys, the blocks
+    config.sel_block tokens, with ops.window.local_fits(window, sel_block, Dk, Dv). impl: "auto"
+    (the kernels where ops.window.kernels_apply), "triton" or "torch" (the twins).
+    """
+    check_selected(q, k, v, block_indices, None, impl, config.n_heads)
+    G = config.n_heads // k.shape[2]
+    window_op._check_inputs(q, k, v, G, config.window, impl)
+    if not window_op.local_fits(config.window, config.sel_block, q.shape[-1], v.shape[-1]):
+        raise ValueError(f"gated_branches: window {config.window} and sel_block {config.sel_block} do not fit the "
+                         "window kernels' local blocks (ops.window.local_fits)")
+    B, T, Hkv = k.shape[:3]
+    o_win = torch.empty(B, Hkv, T * G, v.shape[-1], dtype=q.dtype, device="meta")  # the shape it will have
+    check_branch_outputs(cmp_rows, cmp_head, o_win, gates, (B, T, config.n_heads, v.shape[-1]), q.dtype,
+                                      _runs_kernels(q, k, v, impl))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G, config.window,
+                                              config.sel_block, scale, impl)
+    return o
+
+
+def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
+    return window_op._runs_kernels(q, k, v, impl)
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor, cmp_head: int,
+                  gates: Tensor, group: int, window: int, sel_block: int, scale: float,
+                  impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    q_heads = group * k.shape[2]
+    if not _runs_kernels(q, k, v, impl):
+        o_win, lse_win, _, _ = window_op.twin.forward(q, k, v, group, window, scale)
+        o_sel, lse_sel = selected_twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, None, scale, sel_block)
+        return gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), o_sel, lse_sel, o_win, lse_win
+    cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
+    o_win, lse_win, o_loc, lse_loc = window_op.forward(q, k, v, group, window, scale, cfg, sel_block)
+    o_sel, lse_sel = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
+                                             local=dense(o_loc, lse_loc))
+    o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton")
+    return o, o_sel, lse_sel, o_win, lse_win
+
+
+def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor,
+                   cmp_head: int, gates: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
+                   group: int, window: int, sel_block: int, scale: float,
+                   impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    q_heads = group * k.shape[2]
+    do, = dense(do)  # once, for the three launches that read it
+    if not _runs_kernels(q, k, v, impl):
+        d_cmp, d_sel, d_win, d_gates = gated_sum_twin.backward(do, cmp_rows, cmp_head, o_sel, o_win, gates)
+        dq, dk, dv = window_op.twin.backward(d_win, q, k, v, group, window, scale)
+        dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
+                                               None, scale, sel_block)
+        return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates
+    d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(do, cmp_rows, cmp_head, o_sel, o_win,
+                                                                               gates)
+    cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
+    grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
+                               sel=(lse_sel, delta_sel, gate_sel, sel_block))
+    dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
+                                          q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads)
+    return dq, dk, dv, d_cmp, d_gates
+
+
+with quiet_without_triton():
+    _forward_op = triton_op("nsa_flex::gated_branches", mutates_args=())(_forward_impl)
+    _backward_op = triton_op("nsa_flex::gated_branches_backward", mutates_args=())(_backward_impl)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl):
+    B, T, Hkv, _ = k.shape
+    Hq, Dv = Hkv * group, v.shape[-1]
+    return (q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, Dv), q.new_empty(B, Hq, T, dtype=torch.float32),
+            q.new_empty(B, Hkv, T * group, Dv), q.new_empty(B, Hkv, T * group, dtype=torch.float32))
+
+
+@_backward_op.register_fake
+def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, group,
+                   window, sel_block, scale, impl):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(cmp_rows, memory_format=torch.contiguous_format),
+            torch.empty_like(gates, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl = inputs
+    _, o_sel, lse_sel, o_win, lse_win = output
+    ctx.mark_non_differentiable(o_sel, lse_sel, o_win, lse_win)
+    ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win)
+    ctx.args = (cmp_head, group, window, sel_block, scale, impl)
+
+
+def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win):
+    q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win = ctx.saved_tensors
+    cmp_head, *rest = ctx.args
+    dq, dk, dv, d_cmp, d_gates = torch.ops.nsa_flex.gated_branches_backward(
+        do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, *rest)
+    return dq, dk, dv, None, d_cmp, None, d_gates, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)

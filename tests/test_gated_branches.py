@@ -1,0 +1,122 @@
+"""nsa_flex::gated_branches: the window and selected branches with the gated sum as one node.
+
+The node's torch twin in fp64 against the three ops composed by autograd (window_attention,
+selected_attention, gated_sum), which have their own tests against the reference; the Triton
+kernels (under Triton's interpreter on CPU) against the twin, output and every gradient, with
+awkward groups, pad rows, a compressed buffer held from a late row and gates that are negative or
+zero; opcheck; the errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interpreter import interpreter_mark
+from nsa_flex import NSAConfig
+from nsa_flex.folded import fold
+from nsa_flex.ops import gated_sum, selected_attention, window_attention
+from nsa_flex.ops.gated_branches import gated_branches
+from nsa_flex.ops.window import kernels
+
+interpreter = interpreter_mark(getattr(kernels, "_dq_kernel", None))
+
+
+def local_selection(B, Hkv, T, n, LB, seed=0) -> torch.Tensor:
+    """[B, Hkv, T, n] int64: block 0, the one before the own and the own block in every row (as the
+    selection op forces them with n_local = 2), then random past blocks, -1 last."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((B, Hkv, T, n), -1, dtype=torch.int64)
+    for t in range(T):
+        own = t // LB
+        for bh in range(B * Hkv):
+            picks = {0, max(own - 1, 0), own}
+            for j in torch.randperm(own + 1, generator=g).tolist():
+                if len(picks) < n - 1:
+                    picks.add(j)
+            chosen = sorted(picks)
+            out[bh // Hkv, bh % Hkv, t, :len(chosen)] = torch.tensor(chosen)
+    return out
+
+
+def make_case(B, T, Hkv, G, D, LB, W, n, extra=3, head=5, signed=False, dtype=torch.float32, seed=1):
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=D, head_dim_v=D, sel_block=LB, cmp_block=16,
+                    cmp_stride=16, n_selected=n, window=W)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, G * Hkv, D, generator=g)
+    x = {"q": fold(q, Hkv, rows=T * G + extra), "k": torch.randn(B, T, Hkv, D, generator=g),
+         "v": torch.randn(B, T, Hkv, D, generator=g),
+         "cmp_rows": torch.randn(B, Hkv, T * G - head + 7, D, generator=g),
+         "gates": torch.rand(B, T, G * Hkv, 3, generator=g)}
+    if signed:
+        x["gates"] = x["gates"] * 2 - 1
+        x["gates"][:, :5] = 0
+    x = {name: t.to(dtype) for name, t in x.items()}
+    do = torch.randn(B, T, G * Hkv, D, generator=g, dtype=dtype)
+    return cfg, x, local_selection(B, Hkv, T, n, LB, seed), head, do
+
+
+NAMES = ("q", "k", "v", "cmp_rows", "gates")
+
+
+def node(cfg, x, bi, head, do, impl):
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+    o = gated_branches(leaves["q"], leaves["k"], leaves["v"], bi, cfg, leaves["cmp_rows"], head, leaves["gates"],
+                       impl=impl)
+    return (o.detach(), *torch.autograd.grad(o, [leaves[n] for n in NAMES], do))
+
+
+def three_ops(cfg, x, bi, head, do):
+    """The same function through the three ops and autograd (their twins)."""
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+    G = cfg.n_heads // cfg.n_kv_heads
+    o_win = window_attention(leaves["q"], leaves["k"], leaves["v"], G, cfg.window, impl="torch")
+    o_sel = selected_attention(leaves["q"], leaves["k"], leaves["v"], bi, cfg, folded=True, impl="torch")
+    o = gated_sum(leaves["cmp_rows"], head, o_sel, o_win, leaves["gates"], impl="torch")
+    return (o.detach(), *torch.autograd.grad(o, [leaves[n] for n in NAMES], do))
+
+
+@pytest.mark.parametrize("G, Hkv, T, D, LB, W", [(4, 2, 150, 16, 32, 64), (3, 1, 130, 16, 32, 64), (1, 2, 90, 32, 32, 70)],
+                         ids=["G4", "G3-tiles-cross-blocks", "G1"])
+def test_twin_equals_the_three_ops(G, Hkv, T, D, LB, W):
+    cfg, x, bi, head, do = make_case(2, T, Hkv, G, D, LB, W, 5, signed=True, dtype=torch.float64)
+    for name, got, want in zip(("o", *NAMES), node(cfg, x, bi, head, do, "torch"), three_ops(cfg, x, bi, head, do)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10, msg=name)
+
+
+KERNEL_CASES = [  # G, Hkv, T, D, LB, W, signed
+    pytest.param(4, 2, 150, 64, 32, 64, False, id="G4-D64-l32"),
+    pytest.param(3, 1, 200, 64, 32, 64, True, id="G3-signed-gates"),
+    pytest.param(6, 1, 140, 64, 32, 70, False, id="G6"),
+    pytest.param(4, 1, 260, 128, 64, 128, True, id="G4-D128-l64"),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("G, Hkv, T, D, LB, W, signed", KERNEL_CASES)
+def test_kernels_interpreted(G, Hkv, T, D, LB, W, signed):
+    """The kernels with launch_config's tiles against the twin: output and the gradients of q, k, v,
+    the compressed rows and the gates (fp32 inputs, fp32 dots under the interpreter)."""
+    cfg, x, bi, head, do = make_case(2 if D == 64 else 1, T, Hkv, G, D, LB, W, 6, signed=signed)
+    for name, got, want in zip(("o", *NAMES), node(cfg, x, bi, head, do, "triton"),
+                               node(cfg, x, bi, head, do, "torch")):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_opcheck_cpu():
+    cfg, x, bi, head, _ = make_case(1, 70, 1, 2, 16, 32, 64, 4)
+    args = (x["q"], x["k"], x["v"], bi, x["cmp_rows"], head, x["gates"], 2, cfg.window, cfg.sel_block, 0.25,
+            "torch")
+    torch.library.opcheck(torch.ops.nsa_flex.gated_branches.default, args)
+
+
+def test_errors_say_what_is_allowed():
+    cfg, x, bi, head, _ = make_case(1, 70, 1, 2, 16, 32, 64, 4)
+    args = (x["q"], x["k"], x["v"], bi, cfg, x["cmp_rows"], head, x["gates"])
+    narrow = NSAConfig(**{**cfg.__dict__, "window": 48})
+    with pytest.raises(ValueError, match="do not fit"):
+        gated_branches(*args[:4], narrow, *args[5:])
+    with pytest.raises(ValueError, match="gates"):
+        gated_branches(*args[:7], x["gates"][..., :2])
+    with pytest.raises(ValueError, match="impl="):
+        gated_branches(*args, impl="cuda")
