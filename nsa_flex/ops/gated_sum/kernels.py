@@ -111,7 +111,11 @@ if HAS_TRITON:
         branch's g_cmp dO and the gates' gradients as there, and in place of the other two
         gradients their deltas rowsum(dO * o_b) in fp32 (the gates' gradients before rounding):
         delta_sel [B, Hq, T], delta_win [B, Hkv, T G], dense; and their gates as fp32 rows in the
-        same layouts (gate_sel, gate_win), which those kernels read as they read lse."""
+        same layouts (gate_sel, gate_win), which those kernels read as they read lse.
+
+        Its reads repeat _sum_bwd_kernel's: with them in a shared helper (the offsets its stores
+        use coming back from a call that took the input pointers), Inductor's analysis counted
+        every input of both kernels as written (tests/test_kernel_writes.py)."""
         b, h, r, t, hq = _rows(T, Hkv, G, ROWS)
         d = tl.arange(0, DP)
         d_ok = d[None, :] < D
