@@ -120,3 +120,28 @@ def test_errors_say_what_is_allowed():
         gated_branches(*args[:7], x["gates"][..., :2])
     with pytest.raises(ValueError, match="impl="):
         gated_branches(*args, impl="cuda")
+
+
+def test_backward_launches_refuse_what_they_cannot_take():
+    """The launch functions the node calls check their extra arguments before any kernel runs."""
+    from nsa_flex.ops import window as window_op
+    from nsa_flex.ops.selected_attention import launch
+
+    cfg, x, bi, head, do = make_case(1, 70, 1, 2, 64, 32, 64, 4)
+    q, k, v = x["q"], x["k"], x["v"]
+    wcfg = window_op.launch_config(64, 64)
+    lse_w = torch.zeros(1, 1, 140)
+    stats = torch.zeros(1, 2, 70)
+    with pytest.raises(ValueError, match="needs delta"):
+        window_op.backward(do, q, k, v, q, lse_w, 2, 64, 0.1, wcfg, gate=lse_w)
+    with pytest.raises(ValueError, match="sel needs a gate"):
+        window_op.backward(fold(do, 1), q, k, v, q, lse_w, 2, 64, 0.1, wcfg, sel=(stats, stats, stats, 32))
+    with pytest.raises(ValueError, match="multiple of the dQ kernel's"):
+        window_op.backward(do, q, k, v, q, lse_w, 2, 64, 0.1, wcfg, gate=lse_w, delta=lse_w,
+                           sel=(stats, stats, stats, 48))
+    with pytest.raises(ValueError, match="needs delta"):
+        launch.backward(do, q, k, v, do, stats, bi, None, 0.1, 32, q_heads=2, gate=stats)
+    with pytest.raises(ValueError, match="laid out as lse"):
+        launch.backward(do, q, k, v, do, stats, bi, None, 0.1, 32, q_heads=2, gate=stats[:, :1], delta=stats)
+    with pytest.raises(ValueError, match="acc must be"):
+        launch.backward(do, q, k, v, do, stats, bi, None, 0.1, 32, q_heads=2, acc=(q, k[:, :5], v))

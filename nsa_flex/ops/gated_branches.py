@@ -61,22 +61,18 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
     B, T, Hkv = k.shape[:3]
     o_win = torch.empty(B, Hkv, T * G, v.shape[-1], dtype=q.dtype, device="meta")  # the shape it will have
     check_branch_outputs(cmp_rows, cmp_head, o_win, gates, (B, T, config.n_heads, v.shape[-1]), q.dtype,
-                                      _runs_kernels(q, k, v, impl))
+                                      window_op._runs_kernels(q, k, v, impl))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G, config.window,
                                               config.sel_block, scale, impl)
     return o
 
 
-def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
-    return window_op._runs_kernels(q, k, v, impl)
-
-
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor, cmp_head: int,
                   gates: Tensor, group: int, window: int, sel_block: int, scale: float,
                   impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     q_heads = group * k.shape[2]
-    if not _runs_kernels(q, k, v, impl):
+    if not window_op._runs_kernels(q, k, v, impl):
         o_win, lse_win, _, _ = window_op.twin.forward(q, k, v, group, window, scale)
         o_sel, lse_sel = selected_twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, None, scale, sel_block)
         return gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), o_sel, lse_sel, o_win, lse_win
@@ -94,7 +90,7 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                    impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     q_heads = group * k.shape[2]
     do, = dense(do)  # once, for the three launches that read it
-    if not _runs_kernels(q, k, v, impl):
+    if not window_op._runs_kernels(q, k, v, impl):
         d_cmp, d_sel, d_win, d_gates = gated_sum_twin.backward(do, cmp_rows, cmp_head, o_sel, o_win, gates)
         dq, dk, dv = window_op.twin.backward(d_win, q, k, v, group, window, scale)
         dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
