@@ -345,3 +345,64 @@ def test_module_compiles_whole(autocast):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     got.float().sum().backward()
     assert all(p.grad is not None for p in module.parameters())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_gated_sum_equals_wo_of_the_sum(bias):
+    """The output projection that recomputes the gated sum in its backward (the layer's path where
+    one node makes the sum) against wo(gated_sum(...)) composed by autograd, fp64: output and the
+    gradients of o, wo's weight and bias; nothing flows into the branches it keeps."""
+    from nsa_flex.attention import project_gated_sum
+    from nsa_flex.folded import FoldedRows
+    from nsa_flex.ops.gated_sum import gated_sum
+
+    B, T, Hkv, G, D, head, dim = 2, 9, 2, 3, 8, 4, 11
+    gen = torch.Generator().manual_seed(5)
+    f64 = dict(dtype=torch.float64, generator=gen)
+    cmp_rows = torch.randn(B, Hkv, T * G - head, D, **f64)
+    o_sel, o_win = torch.randn(B, T, Hkv * G, D, **f64), torch.randn(B, Hkv, T * G, D, **f64)
+    gates = torch.rand(B, T, Hkv * G, 3, **f64) * 2 - 1
+    wo = torch.nn.Linear(Hkv * G * D, dim, bias=bias, dtype=torch.float64)
+    o = gated_sum(cmp_rows, head, o_sel, o_win, gates).requires_grad_(True)
+    dy = torch.randn(B, T, dim, **f64)
+    want = wo(o.reshape(B, T, -1))
+    want_grads = torch.autograd.grad(want, [o, *wo.parameters()], dy)
+    got = project_gated_sum(o, FoldedRows(cmp_rows, head), o_sel, o_win, gates, wo)
+    got_grads = torch.autograd.grad(got, [o, *wo.parameters()], dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for name, g, w in zip(("o", "weight", "bias"), got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+    # Another o than the branches' sum: the weight's gradient follows the branches (recomputed), as
+    # it must where the node made o from them.
+    other = (o.detach() + 1).requires_grad_(True)
+    d_weight = torch.autograd.grad(project_gated_sum(other, FoldedRows(cmp_rows, head), o_sel, o_win, gates, wo),
+                                   wo.weight, dy)[0]
+    torch.testing.assert_close(d_weight, want_grads[1], rtol=1e-12, atol=1e-12)
+
+
+def test_project_gated_sum_under_autocast_matches_autocast_linear():
+    """Under bf16 autocast with fp32 weights (training's precision) the projection casts as autocast
+    does: the same output and gradients as wo under autocast, in the weights' dtype."""
+    from nsa_flex.attention import project_gated_sum
+    from nsa_flex.folded import FoldedRows
+    from nsa_flex.ops.gated_sum import gated_sum
+
+    B, T, Hkv, G, D = 1, 6, 1, 2, 8
+    gen = torch.Generator().manual_seed(6)
+    bf = dict(dtype=torch.bfloat16)
+    cmp_rows = torch.randn(B, Hkv, T * G, D, generator=gen).to(**bf)
+    o_sel, o_win = torch.randn(B, T, G, D, generator=gen).to(**bf), torch.randn(B, Hkv, T * G, D, generator=gen).to(**bf)
+    gates = torch.rand(B, T, G, 3, generator=gen).to(**bf)
+    wo = torch.nn.Linear(G * D, 5)
+    o = gated_sum(cmp_rows, 0, o_sel, o_win, gates).requires_grad_(True)
+    dy = torch.randn(B, T, 5, generator=gen).to(**bf)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = wo(o.reshape(B, T, -1))
+        got = project_gated_sum(o, FoldedRows(cmp_rows, 0), o_sel, o_win, gates, wo)
+    assert got.dtype == want.dtype == torch.bfloat16
+    want_grads = torch.autograd.grad(want, [o, wo.weight, wo.bias], dy)
+    got_grads = torch.autograd.grad(got, [o, wo.weight, wo.bias], dy)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, g, w in zip(("o", "weight", "bias"), got_grads, want_grads):
+        assert g.dtype == w.dtype, name
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
