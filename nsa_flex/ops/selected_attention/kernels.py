@@ -132,13 +132,10 @@ if HAS_TRITON:
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, SIGNS: tl.constexpr,
-        STAGES: tl.constexpr,
     ):
         """An item's walk over its chunks of rows: stores their dQ partials, returns its (dK, dV)
         [BL, D] fp32 (dK unscaled). SIGNS (with GATED): the gates' signs applied, a constexpr so
-        that the kernel holds two walks behind one branch per program, not a branch per chunk;
-        STAGES: the loop's pipeline depth, None for the launch's (the walk with the signs runs
-        unpipelined: two pipelined walks overflow shared memory)."""
+        that the kernel holds two walks behind one branch per program, not a branch per chunk."""
         LOG2E: tl.constexpr = 1.4426950408889634
         k_dl = tl.trans(k_ld)
         v_dl = tl.trans(v_ld)
@@ -147,7 +144,7 @@ if HAS_TRITON:
         scale2 = sc * LOG2E
         dk_acc = tl.zeros([BL, DKP], tl.float32)
         dv_acc = tl.zeros([BL, DVP], tl.float32)
-        for c0 in tl.range(start, end, BT, num_stages=STAGES):
+        for c0 in range(start, end, BT):
             t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
             q_md = tl.load(q_ptr + _q_rows(b, T0 + t, h, hq - h * G, sq_b, sq_t, sq_kv, sq_g)[:, None] + dk[None, :],
                            mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -205,17 +202,17 @@ if HAS_TRITON:
                     dk_acc, dv_acc = _bwd_walk(
                         q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b,
                         h, start, end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b,
-                        sdq_t, sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, True, 1)
+                        sdq_t, sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, True)
                 else:
                     dk_acc, dv_acc = _bwd_walk(
                         q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b,
                         h, start, end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b,
-                        sdq_t, sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, False, None)
+                        sdq_t, sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, False)
             else:
                 dk_acc, dv_acc = _bwd_walk(
                     q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b, h,
                     start, end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b, sdq_t,
-                    sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, False, None)
+                    sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, False)
             dk = tl.arange(0, DKP)
             dv = tl.arange(0, DVP)
             r = tl.arange(0, BL)

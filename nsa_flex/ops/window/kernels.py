@@ -212,13 +212,10 @@ if HAS_TRITON:
     def _dq_walk(q, do, lse2, delta, sw, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES, DELTAS, GS,
                  s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, SIGNS: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, SIGNS: tl.constexpr):
         """A row tile's walk over its key blocks into dQ [BM, DK] fp32 (_dq_step's arguments). SIGNS
         is a constexpr so that the kernel holds two walks behind one branch taken per program, not
-        a branch in every step (which cost the walk its pipelining); STAGES: the loops' pipeline
-        depth, None for the kernel's (the walk with the signs, which sigmoid gates never take, runs
-        unpipelined: two pipelined walks overflow shared memory)."""
+        a branch in every step (which cost the walk its pipelining)."""
         dq = tl.zeros([BM, DK], tl.float32)
         first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
         if SEL > 0:
@@ -227,23 +224,23 @@ if HAS_TRITON:
             # lie in the window (W >= 2 l') and start before the diagonal's blocks (l' >= BN), so
             # the blocks before them split as without it: cut by the window's start, then whole.
             lo = tl.maximum((tl.maximum((t0 // SEL - 1) * SEL, 0) // BN) * BN, first)
-            for n0 in tl.range(first, tl.minimum(mid_lo, lo), BN, num_stages=STAGES):
+            for n0 in range(first, tl.minimum(mid_lo, lo), BN):
                 dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, lse_s2, delta_s, ss)
-            for n0 in tl.range(tl.minimum(mid_lo, lo), lo, BN, num_stages=STAGES):
+            for n0 in range(tl.minimum(mid_lo, lo), lo, BN):
                 dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, lse_s2, delta_s, ss)
-            for n0 in tl.range(lo, end, BN, num_stages=STAGES):
+            for n0 in range(lo, end, BN):
                 dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, SEL, SIGNS, lse_s2, delta_s, ss)
         else:
-            for n0 in tl.range(first, mid_lo, BN, num_stages=STAGES):
+            for n0 in range(first, mid_lo, BN):
                 dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, None, None, None)
-            for n0 in tl.range(mid_lo, mid_hi, BN, num_stages=STAGES):
+            for n0 in range(mid_lo, mid_hi, BN):
                 dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, None, None, None)
-            for n0 in tl.range(mid_hi, end, BN, num_stages=STAGES):
+            for n0 in range(mid_hi, end, BN):
                 dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, None, None, None)
         return dq
@@ -273,18 +270,18 @@ if HAS_TRITON:
             if tl.load(NEG) != 0:
                 dq = _dq_walk(q, do, lse2, delta, sw, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES,
                               DELTAS, GS, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                              GATED, SEL, F32_DOT, True, 1)
+                              GATED, SEL, F32_DOT, True)
             else:
                 dq = _dq_walk(q, do, lse2, delta, sw, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES,
                               DELTAS, GS, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                              GATED, SEL, F32_DOT, False, None)
+                              GATED, SEL, F32_DOT, False)
         else:
             o = _row_tile(O, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             tl.store(DELTA + bh.to(tl.int64) * R + rows, delta, mask=rows_ok)
             dq = _dq_walk(q, do, lse2, delta, delta, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES, DELTAS,
                           GS, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt, G, BM, BN, DK, DV, GATED, SEL,
-                          F32_DOT, False, None)
+                          F32_DOT, False)
         dk_ = tl.arange(0, DK)
         tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
                  (dq * sc).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
@@ -333,10 +330,9 @@ if HAS_TRITON:
     def _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
                    s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, SIGNS: tl.constexpr,
-                   STAGES: tl.constexpr):
-        """A key block's walk over the row tiles that see it into (dK, dV) [BN, D] fp32 (SIGNS, STAGES
-        as _dq_walk's)."""
+                   GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, SIGNS: tl.constexpr):
+        """A key block's walk over the row tiles that see it into (dK, dV) [BN, D] fp32 (SIGNS as
+        _dq_walk's)."""
         dk = tl.zeros([BN, DK], tl.float32)
         dv = tl.zeros([BN, DV], tl.float32)
         # Row tiles by their tokens: [r_first, r_lo) see the diagonal cut the block, [r_lo, r_hi)
@@ -355,22 +351,22 @@ if HAS_TRITON:
             # local ones: those tiles come first, masked, with the selected term; the rest as below.
             r_loc = r_first + tl.cdiv(tl.maximum(((s0 + BN - 1) // SEL + 2) * SEL * G - r_first, 0), BM) * BM
             r_loc = tl.minimum(r_loc, r_stop)
-            for r0 in tl.range(r_first, r_loc, BM, num_stages=STAGES):
+            for r0 in range(r_first, r_loc, BM):
                 dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
                                     W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh,
                                     s_lt, True, G, BM, DK, DV, F32_DOT, GATED, SEL, SIGNS)
             r_lo = tl.maximum(r_lo, r_loc)
             r_hi = tl.maximum(r_hi, r_loc)
             r_first = r_loc
-        for r0 in tl.range(r_first, r_lo, BM, num_stages=STAGES):
+        for r0 in range(r_first, r_lo, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
                                 W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 True, G, BM, DK, DV, F32_DOT, GATED, 0, SIGNS)
-        for r0 in tl.range(r_lo, r_hi, BM, num_stages=STAGES):
+        for r0 in range(r_lo, r_hi, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
                                 W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 False, G, BM, DK, DV, F32_DOT, GATED, 0, SIGNS)
-        for r0 in tl.range(r_hi, r_end, BM, num_stages=STAGES):
+        for r0 in range(r_hi, r_end, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
                                 W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 True, G, BM, DK, DV, F32_DOT, GATED, 0, SIGNS)
@@ -402,15 +398,15 @@ if HAS_TRITON:
             if tl.load(NEG) != 0:
                 dk, dv = _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
                                     s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                                    GATED, SEL, F32_DOT, True, 1)
+                                    GATED, SEL, F32_DOT, True)
             else:
                 dk, dv = _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
                                     s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                                    GATED, SEL, F32_DOT, False, None)
+                                    GATED, SEL, F32_DOT, False)
         else:
             dk, dv = _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
                                 s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                                GATED, SEL, F32_DOT, False, None)
+                                GATED, SEL, F32_DOT, False)
         tl.store(DK_ + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh + dk_[None, :],
                  (dk * sc).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
         tl.store(DV_ + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh + dv_[None, :],
