@@ -126,52 +126,6 @@ if HAS_TRITON:
                 tl.store(plse_ptr + b * sl_b + t * sl_t + hq * sl_h + slot, lse, mask=row_ok)
 
     @triton.jit
-    def _bwd_walk(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b, h, start,
-        end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
-        N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
-        DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, SIGNS: tl.constexpr,
-    ):
-        """An item's walk over its chunks of rows: stores their dQ partials, returns its (dK, dV)
-        [BL, D] fp32 (dK unscaled). SIGNS (with GATED): the gates' signs applied, a constexpr so
-        that the kernel holds two walks behind one branch per program, not a branch per chunk."""
-        LOG2E: tl.constexpr = 1.4426950408889634
-        k_dl = tl.trans(k_ld)
-        v_dl = tl.trans(v_ld)
-        dk = tl.arange(0, DKP)
-        dv = tl.arange(0, DVP)
-        scale2 = sc * LOG2E
-        dk_acc = tl.zeros([BL, DKP], tl.float32)
-        dv_acc = tl.zeros([BL, DVP], tl.float32)
-        for c0 in range(start, end, BT):
-            t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
-            q_md = tl.load(q_ptr + _q_rows(b, T0 + t, h, hq - h * G, sq_b, sq_t, sq_kv, sq_g)[:, None] + dk[None, :],
-                           mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            do_md = tl.load(do_ptr + b * sdo_b + (T0 + t[:, None]) * sdo_t + hq[:, None] * sdo_h + dv[None, :],
-                            mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-            stat = b * sl_b + hq * sl_h + (T0 + t) * sl_t
-            lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
-            delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-            if GATED:
-                lse2, sign = gate_into_lse(lse2, tl.load(gate_ptr + stat, mask=row_ok, other=0.0))
-            s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
-            vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
-            # A row with no visible key anywhere has lse -inf and no visible key here either.
-            p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
-            if SIGNS:
-                p = p * sign[:, None]
-            dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
-            dp = dot(do_md, v_dl, F32_DOT, IEEE)
-            ds = (p * (dp - delta[:, None])).to(q_md.dtype)
-            dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
-            dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
-            row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
-            tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (dk[None, :] < DK))
-        return dk_acc, dv_acc
-
-    @triton.jit
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, neg_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
@@ -189,32 +143,51 @@ if HAS_TRITON:
         folded into the lse (gate_into_lse), its sign applied where neg [1] int32 is set (some gate
         negative: triton_utils.negative_gates).
         """
+        LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
                                                  blk_end_ptr, Hkv, Nv)
         w = tl.program_id(0).to(tl.int64)
         if valid:
             key, key_ok, k_ld, v_ld = _block_kv(k_ptr, v_ptr, b, h, ks, ke, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                                                 BL, DK, DKP, DV, DVP)
-            # A new name: under Inductor `scale` arrives as a constexpr, which may not be reassigned.
-            sc = tl.cast(scale, tl.float32)
-            if GATED:
-                if tl.load(neg_ptr) != 0:
-                    dk_acc, dv_acc = _bwd_walk(
-                        q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b,
-                        h, start, end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b,
-                        sdq_t, sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, True)
-                else:
-                    dk_acc, dv_acc = _bwd_walk(
-                        q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b,
-                        h, start, end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b,
-                        sdq_t, sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, False)
-            else:
-                dk_acc, dv_acc = _bwd_walk(
-                    q_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, entries_ptr, key, key_ok, k_ld, v_ld, b, h,
-                    start, end, T0, sc, sq_b, sq_t, sq_kv, sq_g, sdo_b, sdo_t, sdo_h, sl_b, sl_h, sl_t, sdq_b, sdq_t,
-                    sdq_h, sdq_n, N, G, GP, BT, BL, DK, DKP, DV, DVP, F32_DOT, IEEE, GATED, False)
+            k_dl = tl.trans(k_ld)
+            v_dl = tl.trans(v_ld)
             dk = tl.arange(0, DKP)
             dv = tl.arange(0, DVP)
+            # A new name: under Inductor `scale` arrives as a constexpr, which may not be reassigned.
+            sc = tl.cast(scale, tl.float32)
+            scale2 = sc * LOG2E
+            dk_acc = tl.zeros([BL, DKP], tl.float32)
+            dv_acc = tl.zeros([BL, DVP], tl.float32)
+            neg = False
+            if GATED:
+                neg = tl.load(neg_ptr) != 0
+            for c0 in range(start, end, BT):
+                t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
+                q_md = tl.load(q_ptr + _q_rows(b, T0 + t, h, hq - h * G, sq_b, sq_t, sq_kv, sq_g)[:, None] + dk[None, :],
+                               mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                do_md = tl.load(do_ptr + b * sdo_b + (T0 + t[:, None]) * sdo_t + hq[:, None] * sdo_h + dv[None, :],
+                                mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                stat = b * sl_b + hq * sl_h + (T0 + t) * sl_t
+                lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
+                delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+                if GATED:
+                    lse2, sign = gate_into_lse(lse2, tl.load(gate_ptr + stat, mask=row_ok, other=0.0))
+                s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
+                vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
+                # A row with no visible key anywhere has lse -inf and no visible key here either.
+                p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
+                if GATED:
+                    if neg:
+                        p = p * sign[:, None]
+                dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
+                dp = dot(do_md, v_dl, F32_DOT, IEEE)
+                ds = (p * (dp - delta[:, None])).to(q_md.dtype)
+                dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
+                dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
+                row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
+                tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & (dk[None, :] < DK))
             r = tl.arange(0, BL)
             tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
             tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)

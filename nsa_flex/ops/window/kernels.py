@@ -179,13 +179,13 @@ if HAS_TRITON:
         return (keys[None, :] <= tok[:, None]) & (keys[None, :] >= ((tok // SEL - 1) * SEL)[:, None])
 
     @triton.jit
-    def _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                 MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 F32_DOT: tl.constexpr, GATED: tl.constexpr, SEL: tl.constexpr, SIGNS: tl.constexpr, lse_s2,
-                 delta_s, ss):
+    def _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
+                 s_vh, MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 F32_DOT: tl.constexpr, GATED: tl.constexpr = False, SEL: tl.constexpr = 0, lse_s2=None,
+                 delta_s=None, ss=None):
         """One block of keys into dQ. GATED: do is the gated sum's dO, lse2 has the window's gate
         per row folded in (P' = g P: the branch's output gradient g dO, never written), sw the
-        gate's sign, applied with SIGNS (some gate of the launch negative). SEL > 0: the selected
+        gate's sign, applied where neg (some gate of the launch negative). SEL > 0: the selected
         branch's term over each row's local keys too (its folded lse base 2, delta and sign per
         row), sharing the scores and dP."""
         keys = n0 + tl.arange(0, BN)
@@ -195,55 +195,19 @@ if HAS_TRITON:
         if MASKED:
             seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
             p = tl.where(seen, p, 0.0)
-        if SIGNS:
-            p = p * sw[:, None]
+        if GATED:
+            if neg:
+                p = p * sw[:, None]
         vt = _key_tile_t(V, b, h, keys, T, s_vb, s_vt, s_vh, DV)
         dp = dot(do, vt, F32_DOT, False)
         if SEL > 0:
             ps = tl.where(_local_keys(keys, tok, SEL), tl.math.exp2(s - lse_s2[:, None]), 0.0)
-            if SIGNS:
+            if neg:
                 ps = ps * ss[:, None]
             ds = (p + ps) * dp - (p * delta[:, None] + ps * delta_s[:, None])
         else:
             ds = p * (dp - delta[:, None])
         return dq + dot(ds.to(kt.dtype), tl.trans(kt), F32_DOT, False)
-
-    @triton.jit
-    def _dq_walk(q, do, lse2, delta, sw, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES, DELTAS, GS,
-                 s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt,
-                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, SIGNS: tl.constexpr):
-        """A row tile's walk over its key blocks into dQ [BM, DK] fp32 (_dq_step's arguments). SIGNS
-        is a constexpr so that the kernel holds two walks behind one branch taken per program, not
-        a branch in every step (which cost the walk its pipelining)."""
-        dq = tl.zeros([BM, DK], tl.float32)
-        first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
-        if SEL > 0:
-            lse_s2, delta_s, ss = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
-            # From the key block of the tile's first local key on, the selected term too. Local keys
-            # lie in the window (W >= 2 l') and start before the diagonal's blocks (l' >= BN), so
-            # the blocks before them split as without it: cut by the window's start, then whole.
-            lo = tl.maximum((tl.maximum((t0 // SEL - 1) * SEL, 0) // BN) * BN, first)
-            for n0 in range(first, tl.minimum(mid_lo, lo), BN):
-                dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, lse_s2, delta_s, ss)
-            for n0 in range(tl.minimum(mid_lo, lo), lo, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, lse_s2, delta_s, ss)
-            for n0 in range(lo, end, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, SEL, SIGNS, lse_s2, delta_s, ss)
-        else:
-            for n0 in range(first, mid_lo, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, None, None, None)
-            for n0 in range(mid_lo, mid_hi, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, None, None, None)
-            for n0 in range(mid_hi, end, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, 0, SIGNS, None, None, None)
-        return dq
 
     @triton.jit
     def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, GW, LSES, DELTAS, GS, NEG, RQ, T, R, Hkv, W, scale, scale2,
@@ -267,32 +231,50 @@ if HAS_TRITON:
         if GATED:
             delta = tl.load(DELTA + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
             lse2, sw = gate_into_lse(lse2, tl.load(GW + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0))
-            if tl.load(NEG) != 0:
-                dq = _dq_walk(q, do, lse2, delta, sw, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES,
-                              DELTAS, GS, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                              GATED, SEL, F32_DOT, True)
-            else:
-                dq = _dq_walk(q, do, lse2, delta, sw, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES,
-                              DELTAS, GS, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                              GATED, SEL, F32_DOT, False)
+            neg = tl.load(NEG) != 0
         else:
             o = _row_tile(O, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             tl.store(DELTA + bh.to(tl.int64) * R + rows, delta, mask=rows_ok)
-            dq = _dq_walk(q, do, lse2, delta, delta, b, h, rows, rows_ok, tok, t0, t1, K, V, T, W, sc2, LSES, DELTAS,
-                          GS, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_lb, s_lh, s_lt, G, BM, BN, DK, DV, GATED, SEL,
-                          F32_DOT, False)
+            sw = delta
+            neg = False
+        dq = tl.zeros([BM, DK], tl.float32)
+        first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
+        if SEL > 0:
+            lse_s2, delta_s, ss = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
+            # From the key block of the tile's first local key on, the selected term too. Local keys
+            # lie in the window (W >= 2 l') and start before the diagonal's blocks (l' >= BN), so
+            # the blocks before them split as without it: cut by the window's start, then whole.
+            lo = tl.maximum((tl.maximum((t0 // SEL - 1) * SEL, 0) // BN) * BN, first)
+            for n0 in range(first, tl.minimum(mid_lo, lo), BN):
+                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
+            for n0 in range(tl.minimum(mid_lo, lo), lo, BN):
+                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED)
+            for n0 in range(lo, end, BN):
+                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, SEL, lse_s2, delta_s, ss)
+        else:
+            for n0 in range(first, mid_lo, BN):
+                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
+            for n0 in range(mid_lo, mid_hi, BN):
+                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED)
+            for n0 in range(mid_hi, end, BN):
+                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
         dk_ = tl.arange(0, DK)
         tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
                  (dq * sc).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
 
     @triton.jit
-    def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, scale2,
+    def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R, W, scale2,
                    s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                    MASKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, F32_DOT: tl.constexpr, GATED: tl.constexpr, SEL: tl.constexpr,
-                   SIGNS: tl.constexpr):
-        """One row tile into dK, dV (GATED, SEL, SIGNS as _dq_step's)."""
+                   DV: tl.constexpr, F32_DOT: tl.constexpr, GATED: tl.constexpr, SEL: tl.constexpr):
+        """One row tile into dK, dV (GATED, SEL, neg as _dq_step's)."""
         rows = r0 + tl.arange(0, BM)
         rows_ok = rows < R
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
@@ -309,12 +291,13 @@ if HAS_TRITON:
             tok = rows // G
             seen = (keys[:, None] <= tok[None, :]) & (keys[:, None] > tok[None, :] - W)
             pt = tl.where(seen, pt, 0.0)
-        if SIGNS:
-            pt = pt * sw[None, :]
+        if GATED:
+            if neg:
+                pt = pt * sw[None, :]
         if SEL > 0:
             lse_s2, delta_s, ss = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
             pst = tl.where(tl.trans(_local_keys(keys, rows // G, SEL)), tl.math.exp2(st - lse_s2[None, :]), 0.0)
-            if SIGNS:
+            if neg:
                 pst = pst * ss[None, :]
             pd = pt * delta[None, :] + pst * delta_s[None, :]
             pt = pt + pst
@@ -327,12 +310,30 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
-                   s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                   G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, SIGNS: tl.constexpr):
-        """A key block's walk over the row tiles that see it into (dK, dV) [BN, D] fp32 (SIGNS as
-        _dq_walk's)."""
+    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, NEG, T, R, Hkv, W, scale, scale2,
+                     s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                     s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr):
+        """dK, dV [B, T, Hkv, D] (k's and v's strides) of key block program_id(0): the rows of
+        tokens s0 .. s0 + BN + W - 2 see some of its keys. DO, GATED, SEL, NEG as _dq_kernel's."""
+        sc = tl.cast(scale, tl.float32)
+        neg = False
+        if GATED:
+            neg = tl.load(NEG) != 0
+        sc2 = tl.cast(scale2, tl.float32)
+        bh = tl.program_id(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = bh % Hkv
+        s0 = tl.program_id(0) * BN
+        keys = s0 + tl.arange(0, BN)
+        keys_ok = keys < T
+        dk_ = tl.arange(0, DK)
+        dv_ = tl.arange(0, DV)
+        k_ptrs = K + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh
+        v_ptrs = V + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh
+        k = tl.load(k_ptrs + dk_[None, :], mask=keys_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs + dv_[None, :], mask=keys_ok[:, None], other=0.0)
         dk = tl.zeros([BN, DK], tl.float32)
         dv = tl.zeros([BN, DV], tl.float32)
         # Row tiles by their tokens: [r_first, r_lo) see the diagonal cut the block, [r_lo, r_hi)
@@ -352,61 +353,24 @@ if HAS_TRITON:
             r_loc = r_first + tl.cdiv(tl.maximum(((s0 + BN - 1) // SEL + 2) * SEL * G - r_first, 0), BM) * BM
             r_loc = tl.minimum(r_loc, r_stop)
             for r0 in range(r_first, r_loc, BM):
-                dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
+                dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
                                     W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh,
-                                    s_lt, True, G, BM, DK, DV, F32_DOT, GATED, SEL, SIGNS)
+                                    s_lt, True, G, BM, DK, DV, F32_DOT, GATED, SEL)
             r_lo = tl.maximum(r_lo, r_loc)
             r_hi = tl.maximum(r_hi, r_loc)
             r_first = r_loc
         for r0 in range(r_first, r_lo, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
                                 W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                                True, G, BM, DK, DV, F32_DOT, GATED, 0, SIGNS)
+                                True, G, BM, DK, DV, F32_DOT, GATED, 0)
         for r0 in range(r_lo, r_hi, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
                                 W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                                False, G, BM, DK, DV, F32_DOT, GATED, 0, SIGNS)
+                                False, G, BM, DK, DV, F32_DOT, GATED, 0)
         for r0 in range(r_hi, r_end, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
                                 W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                                True, G, BM, DK, DV, F32_DOT, GATED, 0, SIGNS)
-        return dk, dv
-
-    @triton.jit
-    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, NEG, T, R, Hkv, W, scale, scale2,
-                     s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
-                     s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr):
-        """dK, dV [B, T, Hkv, D] (k's and v's strides) of key block program_id(0): the rows of
-        tokens s0 .. s0 + BN + W - 2 see some of its keys. DO, GATED, SEL, NEG as _dq_kernel's."""
-        sc = tl.cast(scale, tl.float32)
-        sc2 = tl.cast(scale2, tl.float32)
-        bh = tl.program_id(1)
-        b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
-        s0 = tl.program_id(0) * BN
-        keys = s0 + tl.arange(0, BN)
-        keys_ok = keys < T
-        dk_ = tl.arange(0, DK)
-        dv_ = tl.arange(0, DV)
-        k_ptrs = K + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh
-        v_ptrs = V + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh
-        k = tl.load(k_ptrs + dk_[None, :], mask=keys_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs + dv_[None, :], mask=keys_ok[:, None], other=0.0)
-        if GATED:
-            if tl.load(NEG) != 0:
-                dk, dv = _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
-                                    s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                                    GATED, SEL, F32_DOT, True)
-            else:
-                dk, dv = _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
-                                    s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                                    GATED, SEL, F32_DOT, False)
-        else:
-            dk, dv = _dkdv_walk(k, v, b, h, s0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, T, R, W, sc2,
-                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, DK, DV,
-                                GATED, SEL, F32_DOT, False)
+                                True, G, BM, DK, DV, F32_DOT, GATED, 0)
         tl.store(DK_ + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh + dk_[None, :],
                  (dk * sc).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
         tl.store(DV_ + b * s_vb + keys.to(tl.int64)[:, None] * s_vt + h * s_vh + dv_[None, :],
