@@ -41,18 +41,6 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def negative_gates(*gate_rows: torch.Tensor) -> torch.Tensor:
-    """[1] int32 on the rows' device: 1 where any of the gate rows is negative, else 0.
-
-    Kernels that fold a gate into the row's lse (gate_into_lse) multiply by the gates' signs only
-    where this is set: a branch the same for every program of the launch, which sigmoid gates
-    never take. A device tensor, so no host sync."""
-    neg = (gate_rows[0] < 0).any()
-    for rows in gate_rows[1:]:
-        neg = neg | (rows < 0).any()
-    return neg.to(torch.int32).reshape(1)
-
-
 @contextlib.contextmanager
 def quiet_without_triton():
     """Registering a triton_op logs "Triton not available" on machines without Triton (CPU
@@ -128,14 +116,6 @@ if HAS_TRITON:
             tl.store(trace_ptr + slot + 2, t_mid)
             tl.store(trace_ptr + slot + 3, t_end)
             tl.store(trace_ptr + slot + 4, sm.to(tl.int64))
-
-    @triton.jit
-    def gate_into_lse(lse2, g):
-        """A branch's gate per row folded into the row's lse (base 2): exp2(s - lse2') = |g| P, so
-        the backward's P' = g P costs no multiply per score. Returns (lse2', the gates' signs as
-        +-1.0), the signs for launches where some gate is negative (negative_gates). g = 0 gives
-        lse2' = +inf, P' = 0, as do pad rows (lse2 +inf or 0, g 0)."""
-        return lse2 - tl.math.log2(tl.abs(g)), tl.where(g < 0, -1.0, 1.0)
 
     @triton.jit
     def dot(a, b, F32_DOT: tl.constexpr, IEEE: tl.constexpr):

@@ -33,7 +33,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from nsa_flex.ops.triton_utils import dot, gate_into_lse
+    from nsa_flex.ops.triton_utils import dot
 
 
     @triton.jit
@@ -127,7 +127,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, neg_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
@@ -139,9 +139,7 @@ if HAS_TRITON:
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
         GATED: dO is the gated sum's output gradient and the branch's is g_sel dO, with g_sel per row
-        in gate [B, Hq, T] fp32 (lse's layout): P' = g P stands for it, nothing written; the gate is
-        folded into the lse (gate_into_lse), its sign applied where neg [1] int32 is set (some gate
-        negative: triton_utils.negative_gates).
+        in gate [B, Hq, T] fp32 (lse's layout): P' = g P stands for it, nothing written.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         valid, b, h, start, end, ks, ke = _item(item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
@@ -159,9 +157,6 @@ if HAS_TRITON:
             scale2 = sc * LOG2E
             dk_acc = tl.zeros([BL, DKP], tl.float32)
             dv_acc = tl.zeros([BL, DVP], tl.float32)
-            neg = False
-            if GATED:
-                neg = tl.load(neg_ptr) != 0
             for c0 in range(start, end, BT):
                 t, slot, hq, row_ok = _chunk_rows(entries_ptr, c0, end, h, N, G, GP, BT)
                 q_md = tl.load(q_ptr + _q_rows(b, T0 + t, h, hq - h * G, sq_b, sq_t, sq_kv, sq_g)[:, None] + dk[None, :],
@@ -171,15 +166,12 @@ if HAS_TRITON:
                 stat = b * sl_b + hq * sl_h + (T0 + t) * sl_t
                 lse2 = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-                if GATED:
-                    lse2, sign = gate_into_lse(lse2, tl.load(gate_ptr + stat, mask=row_ok, other=0.0))
                 s = dot(q_md, k_dl, F32_DOT, IEEE) * scale2
                 vis = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= T0 + t[:, None])
                 # A row with no visible key anywhere has lse -inf and no visible key here either.
                 p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
                 if GATED:
-                    if neg:
-                        p = p * sign[:, None]
+                    p = p * tl.load(gate_ptr + stat, mask=row_ok, other=0.0)[:, None]
                 dv_acc += dot(tl.trans(p.to(do_md.dtype)), do_md, F32_DOT, IEEE)
                 dp = dot(do_md, v_dl, F32_DOT, IEEE)
                 ds = (p * (dp - delta[:, None])).to(q_md.dtype)

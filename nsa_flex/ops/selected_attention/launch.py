@@ -14,7 +14,7 @@ from torch import Tensor
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
-from nsa_flex.ops.triton_utils import dense, negative_gates, next_pow2
+from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
     from torch.library import wrap_triton
@@ -283,8 +283,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     T * G get zeros); lse and q_heads as forward takes and returns them.
 
     gate [B, Hq, T] fp32 (lse's layout): do is the gated sum's output gradient, the branch's being
-    gate * dO, which the kernel takes as P' = g P (the gate folded into the lse, nothing written);
-    delta must then be given. delta:
+    gate * dO, which the kernel takes as P' = g P (nothing written); delta must then be given. delta:
     rowsum(dO * O) [B, Hq, T] fp32 (computed here when None). skip_local: the slots of each token's
     two local blocks are left out (without_local): the window's backward took them. acc: None, or
     (dq, dk, dv) holding another gradient of q, k, v in these layouts (contiguous); the sums are
@@ -306,8 +305,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         gate, = dense(gate)
         if gate.shape != lse.shape or gate.stride() != lse.stride():
             raise ValueError(f"backward: gate {tuple(gate.shape)} must be laid out as lse {tuple(lse.shape)}")
-    # Read only with a gate: whether a gate the kernel folds into the lse is negative.
-    neg = delta if gate is None else negative_gates(gate)
     if acc is None:
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     else:
@@ -333,8 +330,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         if W > 0:
             launch(kernels._bwd_kernel, (W,),
-                   q, k, v, do, lse, delta, delta if gate is None else gate, neg, dqp, dkp, dvp, index.entries,
-                   items.blk, items.start, items.end,
+                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
                    index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *_q_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
                    *dqp.stride()[:4], writes=(dqp, dkp, dvp), GATED=gate is not None, **consts,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from nsa_flex.ops.triton_utils import HAS_TRITON, dense, negative_gates, quiet_without_triton
+from nsa_flex.ops.triton_utils import HAS_TRITON, dense, quiet_without_triton
 from nsa_flex.ops.window import kernels, twin
 from nsa_flex.validate import check_4d
 
@@ -156,8 +156,8 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
 
     do: the window output's gradient, folded like o. With gate (the window's gate per row, fp32
     [B, Hkv, R] like lse) instead: do is the gated sum's output gradient [B, T, Hq, Dv] (the
-    window's is gate * dO, never written; P' = g P in the kernels, the gate folded into the lse)
-    and delta [B, Hkv, R] fp32 = rowsum(dO * o) comes given. sel (with gate): (lse_sel, delta_sel, gate_sel [B, Hq, T] fp32,
+    window's is gate * dO, never written; P' = g P in the kernels) and delta [B, Hkv, R] fp32 =
+    rowsum(dO * o) comes given. sel (with gate): (lse_sel, delta_sel, gate_sel [B, Hq, T] fp32,
     lse in natural log, delta_sel = rowsum(dO * o_sel), l'): the kernels also add the selected
     branch's gradient over each row's two local blocks, whose keys they score anyway (W >= 2 l',
     l' a multiple of the dQ kernel's key blocks)."""
@@ -193,20 +193,18 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         lse_sel, delta_sel, gate_sel = dense(lse_sel, delta_sel, gate_sel)
         sel_args, sel_strides = (lse_sel, delta_sel, gate_sel), lse_sel.stride()
     gate_arg = gate if gated else lse
-    # Read only with a gate: whether a gate the kernels fold into the lse is negative.
-    neg = (negative_gates(gate, gate_sel) if sel is not None else negative_gates(gate)) if gated else lse
     scale2 = scale * math.log2(math.e)
     common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
               *o.stride()[:3], *do_rows, *sel_strides)
     BM = cfg["dq_BM"]
     wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
-        q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, neg, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"],
+        q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"],
         DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"],
         num_stages=cfg["dq_stages"])
     BN = cfg["kv_BN"]
     if T > 0:
         wrap_triton(kernels._dkdv_kernel)[(-(-T // BN), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, neg, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk,
+            q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, *common, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk,
             DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda, num_warps=cfg["kv_warps"],
             num_stages=cfg["kv_stages"])
     return dq, dk, dv

@@ -26,7 +26,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from nsa_flex.ops.triton_utils import dot, gate_into_lse
+    from nsa_flex.ops.triton_utils import dot
 
     @triton.jit
     def _row_tile(ptr, b, h, rows, rows_ok, s_b, s_h, s_r, D: tl.constexpr):
@@ -163,15 +163,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G: tl.constexpr):
-        """The selected branch's (lse base 2 with its gate folded in, delta, the gate's sign) at folded
-        rows `rows` of (b, h), from [B, Hq, T] fp32 rows (lse in natural log); pad rows: lse +inf,
-        delta 0."""
+        """The selected branch's (lse base 2, delta, gate) at folded rows `rows` of (b, h), from [B, Hq, T]
+        fp32 rows (lse in natural log); pad rows: lse +inf, delta and gate 0."""
         LOG2E: tl.constexpr = 1.4426950408889634
         r = rows.to(tl.int64)
         stat = b * s_lb + (h * G + r % G) * s_lh + (r // G) * s_lt
-        lse2, sign = gate_into_lse(tl.load(LSES + stat, mask=rows_ok, other=float("inf")) * LOG2E,
-                                   tl.load(GS + stat, mask=rows_ok, other=0.0))
-        return lse2, tl.load(DELTAS + stat, mask=rows_ok, other=0.0), sign
+        return (tl.load(LSES + stat, mask=rows_ok, other=float("inf")) * LOG2E,
+                tl.load(DELTAS + stat, mask=rows_ok, other=0.0), tl.load(GS + stat, mask=rows_ok, other=0.0))
 
     @triton.jit
     def _local_keys(keys, tok, SEL: tl.constexpr):
@@ -179,15 +177,14 @@ if HAS_TRITON:
         return (keys[None, :] <= tok[:, None]) & (keys[None, :] >= ((tok // SEL - 1) * SEL)[:, None])
 
     @triton.jit
-    def _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt,
-                 s_vh, MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    def _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, scale2, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+                 MASKED: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  F32_DOT: tl.constexpr, GATED: tl.constexpr = False, SEL: tl.constexpr = 0, lse_s2=None,
-                 delta_s=None, ss=None):
-        """One block of keys into dQ. GATED: do is the gated sum's dO, lse2 has the window's gate
-        per row folded in (P' = g P: the branch's output gradient g dO, never written), sw the
-        gate's sign, applied where neg (some gate of the launch negative). SEL > 0: the selected
-        branch's term over each row's local keys too (its folded lse base 2, delta and sign per
-        row), sharing the scores and dP."""
+                 delta_s=None, gs=None):
+        """One block of keys into dQ. GATED: do is the gated sum's dO and gw the window's gate per
+        row (P' = g P: the branch's output gradient g dO, never written). SEL > 0: the selected
+        branch's term over each row's local keys too (its lse base 2, delta and gate per row),
+        sharing the scores and dP."""
         keys = n0 + tl.arange(0, BN)
         kt = _key_tile_t(K, b, h, keys, T, s_kb, s_kt, s_kh, DK)
         s = dot(q, kt, F32_DOT, False) * scale2
@@ -196,21 +193,18 @@ if HAS_TRITON:
             seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
             p = tl.where(seen, p, 0.0)
         if GATED:
-            if neg:
-                p = p * sw[:, None]
+            p = p * gw[:, None]
         vt = _key_tile_t(V, b, h, keys, T, s_vb, s_vt, s_vh, DV)
         dp = dot(do, vt, F32_DOT, False)
         if SEL > 0:
-            ps = tl.where(_local_keys(keys, tok, SEL), tl.math.exp2(s - lse_s2[:, None]), 0.0)
-            if neg:
-                ps = ps * ss[:, None]
+            ps = tl.where(_local_keys(keys, tok, SEL), tl.math.exp2(s - lse_s2[:, None]), 0.0) * gs[:, None]
             ds = (p + ps) * dp - (p * delta[:, None] + ps * delta_s[:, None])
         else:
             ds = p * (dp - delta[:, None])
         return dq + dot(ds.to(kt.dtype), tl.trans(kt), F32_DOT, False)
 
     @triton.jit
-    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, GW, LSES, DELTAS, GS, NEG, RQ, T, R, Hkv, W, scale, scale2,
+    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, GW, LSES, DELTAS, GS, RQ, T, R, Hkv, W, scale, scale2,
                    s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                    s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -220,61 +214,58 @@ if HAS_TRITON:
         writes delta of its rows from O. GATED: DO is the gated sum's, GW the window's gate per row
         ([B, Hkv, R] fp32, LSE's layout), DELTA holds delta = rowsum(dO * O) already (O unread), and
         with SEL > 0 the selected branch's term over the local keys (LSES, DELTAS, GS: its lse,
-        delta and gate, [B, Hq, T] fp32). The gates fold into the lse (gate_into_lse); NEG [1]
-        int32 says whether any is negative (triton_utils.negative_gates)."""
+        delta and gate, [B, Hq, T] fp32)."""
         sc = tl.cast(scale, tl.float32)
         sc2 = tl.cast(scale2, tl.float32)
         bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM)
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
         do = _rows4(DO, b, h, rows, rows_ok, s_db, s_dh, s_dt, s_dg, G, DV)
-        lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
         if GATED:
             delta = tl.load(DELTA + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
-            lse2, sw = gate_into_lse(lse2, tl.load(GW + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0))
-            neg = tl.load(NEG) != 0
+            gw = tl.load(GW + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
         else:
             o = _row_tile(O, b, h, rows, rows_ok, s_ob, s_oh, s_or, DV)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             tl.store(DELTA + bh.to(tl.int64) * R + rows, delta, mask=rows_ok)
-            sw = delta
-            neg = False
+            gw = delta
+        lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
         dq = tl.zeros([BM, DK], tl.float32)
         first, mid_lo, mid_hi, end = _row_parts(t0, t1, W, BN)
         if SEL > 0:
-            lse_s2, delta_s, ss = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
+            lse_s2, delta_s, gs = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
             # From the key block of the tile's first local key on, the selected term too. Local keys
             # lie in the window (W >= 2 l') and start before the diagonal's blocks (l' >= BN), so
             # the blocks before them split as without it: cut by the window's start, then whole.
             lo = tl.maximum((tl.maximum((t0 // SEL - 1) * SEL, 0) // BN) * BN, first)
             for n0 in range(first, tl.minimum(mid_lo, lo), BN):
-                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
             for n0 in range(tl.minimum(mid_lo, lo), lo, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED)
             for n0 in range(lo, end, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
-                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, SEL, lse_s2, delta_s, ss)
+                dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                              s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED, SEL, lse_s2, delta_s, gs)
         else:
             for n0 in range(first, mid_lo, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
             for n0 in range(mid_lo, mid_hi, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, False, BN, DK, DV, F32_DOT, GATED)
             for n0 in range(mid_hi, end, BN):
-                dq = _dq_step(q, do, lse2, delta, sw, neg, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
+                dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
         dk_ = tl.arange(0, DK)
         tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
                  (dq * sc).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
 
     @triton.jit
-    def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R, W, scale2,
+    def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, scale2,
                    s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                    MASKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, F32_DOT: tl.constexpr, GATED: tl.constexpr, SEL: tl.constexpr):
-        """One row tile into dK, dV (GATED, SEL, neg as _dq_step's)."""
+        """One row tile into dK, dV (GATED, SEL as _dq_step's)."""
         rows = r0 + tl.arange(0, BM)
         rows_ok = rows < R
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
@@ -282,8 +273,6 @@ if HAS_TRITON:
         # Pad rows: lse +inf makes their probabilities 0.
         lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=float("inf"))
         delta = tl.load(DELTA + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
-        if GATED:
-            lse2, sw = gate_into_lse(lse2, tl.load(GW + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0))
         # [BN, BM]: keys down, rows across.
         st = dot(k, tl.trans(q), F32_DOT, False) * scale2
         pt = tl.math.exp2(st - lse2[None, :])
@@ -292,13 +281,11 @@ if HAS_TRITON:
             seen = (keys[:, None] <= tok[None, :]) & (keys[:, None] > tok[None, :] - W)
             pt = tl.where(seen, pt, 0.0)
         if GATED:
-            if neg:
-                pt = pt * sw[None, :]
+            pt = pt * tl.load(GW + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)[None, :]
         if SEL > 0:
-            lse_s2, delta_s, ss = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
-            pst = tl.where(tl.trans(_local_keys(keys, rows // G, SEL)), tl.math.exp2(st - lse_s2[None, :]), 0.0)
-            if neg:
-                pst = pst * ss[None, :]
+            lse_s2, delta_s, gs = _sel_stats(LSES, DELTAS, GS, b, h, rows, rows_ok, s_lb, s_lh, s_lt, G)
+            pst = tl.where(tl.trans(_local_keys(keys, rows // G, SEL)), tl.math.exp2(st - lse_s2[None, :]),
+                           0.0) * gs[None, :]
             pd = pt * delta[None, :] + pst * delta_s[None, :]
             pt = pt + pst
             dv += dot(pt.to(do.dtype), do, F32_DOT, False)
@@ -310,17 +297,14 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, NEG, T, R, Hkv, W, scale, scale2,
+    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2,
                      s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                      s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                      G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr):
         """dK, dV [B, T, Hkv, D] (k's and v's strides) of key block program_id(0): the rows of
-        tokens s0 .. s0 + BN + W - 2 see some of its keys. DO, GATED, SEL, NEG as _dq_kernel's."""
+        tokens s0 .. s0 + BN + W - 2 see some of its keys. DO, GATED, SEL as _dq_kernel's."""
         sc = tl.cast(scale, tl.float32)
-        neg = False
-        if GATED:
-            neg = tl.load(NEG) != 0
         sc2 = tl.cast(scale2, tl.float32)
         bh = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
@@ -353,23 +337,23 @@ if HAS_TRITON:
             r_loc = r_first + tl.cdiv(tl.maximum(((s0 + BN - 1) // SEL + 2) * SEL * G - r_first, 0), BM) * BM
             r_loc = tl.minimum(r_loc, r_stop)
             for r0 in range(r_first, r_loc, BM):
-                dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
-                                    W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh,
+                dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W,
+                                    sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh,
                                     s_lt, True, G, BM, DK, DV, F32_DOT, GATED, SEL)
             r_lo = tl.maximum(r_lo, r_loc)
             r_hi = tl.maximum(r_hi, r_loc)
             r_first = r_loc
         for r0 in range(r_first, r_lo, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
-                                W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, sc2,
+                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 True, G, BM, DK, DV, F32_DOT, GATED, 0)
         for r0 in range(r_lo, r_hi, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
-                                W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, sc2,
+                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 False, G, BM, DK, DV, F32_DOT, GATED, 0)
         for r0 in range(r_hi, r_end, BM):
-            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, neg, bh, R,
-                                W, sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+            dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, sc2,
+                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 True, G, BM, DK, DV, F32_DOT, GATED, 0)
         tl.store(DK_ + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh + dk_[None, :],
                  (dk * sc).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
