@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import FoldedRows
-from nsa_flex.ops.gated_sum import gated_sum_outer
+from nsa_flex.ops.gated_sum import gated_sum
 from nsa_flex.validate import check_compiled, check_inputs, needs_grad
 
 IMPLS = ("auto", "reference", "flex")
@@ -293,9 +293,8 @@ def project_gated_sum(o: torch.Tensor, o_cmp: FoldedRows, o_sel: torch.Tensor, o
                       gates: torch.Tensor, wo: nn.Linear) -> torch.Tensor:
     """wo(o) [B, T, dim] for o [B, T, Hq, Dv] the gated sum of the branch outputs (o_cmp, o_sel,
     o_win, gates as nsa_flex::gated_sum takes them), keeping them rather than o for wo's weight
-    gradient: its backward recomputes o (one gated-sum kernel, nsa_flex::gated_sum_outer). The
-    gradient reaches o, not the branches: o's own autograd node (ops.gated_branches, which keeps
-    the branches) takes it."""
+    gradient: its backward recomputes o (one gated-sum kernel). The gradient reaches o, not the
+    branches: o's own autograd node (ops.gated_branches, which keeps the branches) takes it."""
     B, T = o.shape[:2]
     return _ProjectedSum.apply(o.reshape(B, T, -1), o_cmp.x, o_cmp.head, o_sel, o_win, gates, wo.weight, wo.bias)
 
@@ -313,8 +312,9 @@ class _ProjectedSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         cmp_rows, o_sel, o_win, gates, weight = ctx.saved_tensors
-        dy = dy.to(o_sel.dtype)
-        d_o = dy @ weight.to(dy.dtype)
-        d_weight = gated_sum_outer(dy, cmp_rows, ctx.cmp_head, o_sel, o_win, gates)
+        o = gated_sum(cmp_rows, ctx.cmp_head, o_sel, o_win, gates).flatten(2)
+        dy = dy.to(o.dtype)
+        d_o = dy @ weight.to(o.dtype)
+        d_weight = dy.flatten(0, 1).t() @ o.flatten(0, 1)
         d_bias = dy.flatten(0, 1).sum(0) if ctx.bias else None
         return d_o, None, None, None, None, None, d_weight, d_bias

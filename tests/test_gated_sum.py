@@ -133,18 +133,6 @@ def test_opcheck_cpu():
                           (args[0].requires_grad_(), args[1], *(a.requires_grad_() for a in args[2:]), "torch"))
 
 
-def test_outer_product_with_the_sum_and_opcheck():
-    """nsa_flex::gated_sum_outer (wo's weight gradient from the branches): dy^T times the gated sum,
-    fp64; and its schema and fake registration."""
-    x = make_inputs(1, 37, 2, 4, 24, 31 * 4, 20, torch.float64, seed=6)
-    args = tuple(x[n] for n in ("cmp_rows", "head", "o_sel", "o_win", "gates"))
-    dy = torch.randn(1, 37, 11, dtype=torch.float64)
-    want = dy[0].t() @ gated_sum(*args, impl="torch")[0].flatten(1)
-    torch.testing.assert_close(torch.ops.nsa_flex.gated_sum_outer(dy, *args), want, rtol=1e-12, atol=1e-12)
-    torch.library.opcheck(torch.ops.nsa_flex.gated_sum_outer.default, (dy, *args), test_utils=(
-        "test_schema", "test_faketensor"))
-
-
 @pytest.mark.parametrize("change, error, message", [
     (dict(o_sel=torch.randn(2, 8, 4)), ValueError, "o_sel must be"),
     (dict(o_win=torch.randn(1, 2, 36, 24)), ValueError, "o_win .* must be"),

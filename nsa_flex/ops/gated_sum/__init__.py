@@ -142,22 +142,6 @@ def _backward(ctx, do):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("nsa_flex::gated_sum_outer", mutates_args=())
-def gated_sum_outer(dy: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
-    """dy^T o [N, Hq*Dv] for dy [B, T, N] and o [B, T, Hq, Dv] the gated sum of these branch outputs
-    (gated_sum's arguments, checked by its caller), in dy's dtype: the weight gradient of a
-    projection of o that keeps the branches rather than o. One opaque op because it takes dy:
-    torch.compile's partitioner would move a recomputation of o that does not into the forward
-    and keep o after all."""
-    o = gated_sum(cmp_rows, head, o_sel, o_win, gates)
-    return dy.flatten(0, 1).t() @ o.flatten(2).flatten(0, 1).to(dy.dtype)
-
-
-@gated_sum_outer.register_fake
-def _outer_fake(dy, cmp_rows, head, o_sel, o_win, gates):
-    return dy.new_empty(dy.shape[-1], o_sel.shape[2] * o_sel.shape[3])
-
-
 def _check_inputs(cmp_rows, head, o_sel, o_win, gates, impl) -> None:
     """Shape, dtype and device checks; every error says what was wrong and what is allowed."""
     if impl not in _IMPLS:
