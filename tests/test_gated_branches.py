@@ -51,7 +51,7 @@ def make_case(B, T, Hkv, G, D, LB, W, n, extra=3, head=5, signed=False, dtype=to
          "gates": torch.rand(B, T, G * Hkv, 3, generator=g)}
     if signed:
         x["gates"] = x["gates"] * 2 - 1
-    # Zero gates: a branch whose output gradient is exactly zero for those rows.
+    # Zero gates: the kernels fold each gate into the row's lse, log2(0) making it +inf.
     x["gates"][:, :5] = 0
     x = {name: t.to(dtype) for name, t in x.items()}
     do = torch.randn(B, T, G * Hkv, D, generator=g, dtype=dtype)
@@ -109,8 +109,8 @@ def test_kernels_interpreted(G, Hkv, T, D, LB, W, signed):
 @pytest.mark.parametrize("signed", [False, True], ids=["gates-0-1", "signed-gates"])
 def test_kernels_gpu_against_fp64_twin(signed):
     """On CUDA in bf16, output and every gradient against the twin in fp64, within 2x the twin's own
-    bf16 error plus rounding: gates in [0, 1) and of both signs, zeros among them, at the g4 shape's
-    tiles (the whole-op oracle tests take sigmoid gates only)."""
+    bf16 error plus rounding: gates in [0, 1) (each folded into its row's lse) and of both signs (the
+    launch's branch that applies the signs), zeros among them, at the g4 shape's tiles."""
     cfg, x, bi, head, do = make_case(1, 1000, 2, 4, 128, 64, 512, 16, signed=signed, seed=7)
     x = {name: t.to("cuda", torch.bfloat16) for name, t in x.items()}
     bi, do = bi.cuda(), do.to("cuda", torch.bfloat16)
