@@ -13,7 +13,6 @@ from torch.utils.checkpoint import checkpoint
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import FoldedRows
-from nsa_flex.ops.gated_sum import gated_sum
 from nsa_flex.validate import check_compiled, check_inputs, needs_grad
 
 IMPLS = ("auto", "reference", "flex")
@@ -254,12 +253,10 @@ class NSAAttention(nn.Module):
                              f"{weight.device}; move one to the other (x.to(...) or layer.to(...))")
 
     def _attend_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens, block_indices):
-        """The flex op's branches, gated sum and output projection, with gradients keeping neither
-        the sum (wo's input) nor the gate MLP's activations (~74 MiB per layer of seeds-125m at 32k
-        tokens; docs/decisions.md, memory): the backward recomputes both from tensors the branches
-        keep anyway. Where the window and selected branches and the gated sum are one node
-        (ops.gated_branches), wo's backward recomputes the node's sum (project_gated_sum); else
-        the sum and wo are one checkpointed region."""
+        """The flex op's branches, then gates, gated sum and output projection as one checkpointed
+        region: the backward recomputes the gates and the sum from tensors the Flex calls keep
+        anyway, instead of keeping the sum for wo and the gate MLP's activations (~74 MiB per
+        layer of seeds-125m at 32k tokens; docs/decisions.md, memory)."""
         from nsa_flex import flex
         from nsa_flex.flex import compiled as compiled_path
 
@@ -275,46 +272,12 @@ class NSAAttention(nn.Module):
             o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
                                        block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel
-        gates = checkpoint(self.gate, x_btc, use_reentrant=False)
-        o_cmp, o_sel, o_win, sel, o = compiled_path.run(
-            flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, gates=gates,
-            block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
-        if o is not None:
-            return project_gated_sum(o, o_cmp, o_sel, o_win, gates, self.wo), sel
+        o_cmp, o_sel, o_win, sel = compiled_path.run(
+            flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
+            cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
 
-        def output(cmp_rows, o_sel, o_win, gates):
-            o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, gates)
+        def output(x_btc, cmp_rows, o_sel, o_win):
+            o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, self.gate(x_btc))
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
 
-        return checkpoint(output, o_cmp.x, o_sel, o_win, gates, use_reentrant=False), sel
-
-
-def project_gated_sum(o: torch.Tensor, o_cmp: FoldedRows, o_sel: torch.Tensor, o_win: torch.Tensor,
-                      gates: torch.Tensor, wo: nn.Linear) -> torch.Tensor:
-    """wo(o) [B, T, dim] for o [B, T, Hq, Dv] the gated sum of the branch outputs (o_cmp, o_sel,
-    o_win, gates as nsa_flex::gated_sum takes them), keeping them rather than o for wo's weight
-    gradient: its backward recomputes o (one gated-sum kernel). The gradient reaches o, not the
-    branches: o's own autograd node (ops.gated_branches, which keeps the branches) takes it."""
-    B, T = o.shape[:2]
-    return _ProjectedSum.apply(o.reshape(B, T, -1), o_cmp.x, o_cmp.head, o_sel, o_win, gates, wo.weight, wo.bias)
-
-
-class _ProjectedSum(torch.autograd.Function):
-    """y = o W^T + b, saving the gated sum's inputs in place of o. Weights cast to o's dtype here,
-    as autocast would (the backward runs outside autocast)."""
-
-    @staticmethod
-    def forward(ctx, o, cmp_rows, cmp_head, o_sel, o_win, gates, weight, bias):
-        ctx.save_for_backward(cmp_rows, o_sel, o_win, gates, weight)
-        ctx.cmp_head, ctx.bias = cmp_head, bias is not None
-        return nn.functional.linear(o, weight.to(o.dtype), None if bias is None else bias.to(o.dtype))
-
-    @staticmethod
-    def backward(ctx, dy):
-        cmp_rows, o_sel, o_win, gates, weight = ctx.saved_tensors
-        o = gated_sum(cmp_rows, ctx.cmp_head, o_sel, o_win, gates).flatten(2)
-        dy = dy.to(o.dtype)
-        d_o = dy @ weight.to(o.dtype)
-        d_weight = dy.flatten(0, 1).t() @ o.flatten(0, 1)
-        d_bias = dy.flatten(0, 1).sum(0) if ctx.bias else None
-        return d_o, None, None, None, None, None, d_weight, d_bias
+        return checkpoint(output, x_btc, o_cmp.x, o_sel, o_win, use_reentrant=False), sel

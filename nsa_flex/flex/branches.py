@@ -127,11 +127,12 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     window op runs and the selection lists both local blocks (tiles.gated_node), the window and
     selected branches and the gated sum are one node (ops.gated_branches).
     """
+    _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     T, G = q.shape[1], q.shape[2] // k.shape[2]
     if not needs_grad(q, k, v, k_cmp, v_cmp, gates, k_win, v_win) and tiles.selected_impl(T, G) == "block":
         return nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
                                 cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
-    o_cmp, o_sel, o_win, block_indices, o = nsa_flex_branches(
+    o_cmp, o_sel, o_win, block_indices, o = _branches(
         q, k, v, k_cmp, v_cmp, config, gates=gates, block_indices=block_indices, cu_seqlens=cu_seqlens,
         k_win=k_win, v_win=v_win, tiles=tiles)
     return (gated_sum(o_cmp, o_sel, o_win, gates) if o is None else o), block_indices
@@ -205,21 +206,27 @@ def _compressed_and_selection(q, qs: _Queries, k_cmp, v_cmp, config: NSAConfig, 
     return o_cmp, block_indices
 
 
-def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_indices=None, cu_seqlens=None,
+def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
                       k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
-    """(o_cmp, o_sel, o_win, block_indices, o): the three branch outputs before the gates, the
-    selection, and the gated sum where one node made it, else None. o_cmp as FoldedRows (folded
+    """The three branch outputs before the gates and the selection: o_cmp as FoldedRows (folded
     rows held from its first complete block on), o_win folded [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv].
 
-    With gates, where the window and selected branches share their local blocks (_gated_node),
-    those two branches and the gated sum are one node (ops.gated_branches) and o is its output;
-    the branch outputs are still returned (the node keeps them for its backward). Else o is None
-    and the caller sums the branches (nsa_flex does; NSAAttention recomputes that sum in the
-    backward instead of keeping it). Arguments as nsa_flex. o_sel stays unfolded because the
-    block-centric op keeps its output for its own backward: a folded copy, kept for the gated
-    sum's backward, would be a second [T, Hq, Dv] per layer.
+    nsa_flex without its gated sum: NSAAttention recomputes that sum (and its gates) in the
+    backward instead of keeping its output (see NSAAttention.forward). Arguments as nsa_flex.
+    o_sel stays unfolded because the block-centric op keeps its output for its own backward: a
+    folded copy, kept for the gated sum's backward, would be a second [T, Hq, Dv] per layer.
     """
-    _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
+    o_cmp, o_sel, o_win, block_indices, _ = _branches(q, k, v, k_cmp, v_cmp, config, block_indices=block_indices,
+                                                      cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
+    return o_cmp, o_sel, o_win, block_indices
+
+
+def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_indices=None, cu_seqlens=None,
+              k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
+    """nsa_flex_branches' (o_cmp, o_sel, o_win, block_indices), and o: with gates, where the window
+    and selected branches share their local blocks (_gated_node), the gated sum from one node,
+    o_sel and o_win then None; else None."""
     T, Hkv = q.shape[1], k.shape[2]
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     q_fold, scale, docs = qs.fold, qs.scale, qs.docs
@@ -231,9 +238,9 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, b
     if tiles.selected_impl(T, G) == "block":
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
         if gates is not None and _gated_node(qs, k_win, v_win, config, tiles, with_local=k_win is k and forced_local):
-            o, o_sel, o_win = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates,
-                                             scale=scale, impl=window_impl(q_fold, k, v, tiles, docs), branches=True)
-            return o_cmp, o_sel, o_win, block_indices, o
+            o = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates, scale=scale,
+                               impl=window_impl(q_fold, k, v, tiles, docs))
+            return o_cmp, None, None, block_indices, o
         # The window first: its op hands the selected op the partial over the local blocks.
         o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,
                                                with_local=k_win is k and forced_local)
