@@ -20,6 +20,7 @@ from nsa_flex.ops.gated_branches import gated_branches
 from nsa_flex.ops.window import kernels
 
 interpreter = interpreter_mark(getattr(kernels, "_dq_kernel", None))
+gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def local_selection(B, Hkv, T, n, LB, seed=0) -> torch.Tensor:
@@ -50,7 +51,8 @@ def make_case(B, T, Hkv, G, D, LB, W, n, extra=3, head=5, signed=False, dtype=to
          "gates": torch.rand(B, T, G * Hkv, 3, generator=g)}
     if signed:
         x["gates"] = x["gates"] * 2 - 1
-        x["gates"][:, :5] = 0
+    # Zero gates: a branch whose output gradient is exactly zero for those rows.
+    x["gates"][:, :5] = 0
     x = {name: t.to(dtype) for name, t in x.items()}
     do = torch.randn(B, T, G * Hkv, D, generator=g, dtype=dtype)
     return cfg, x, local_selection(B, Hkv, T, n, LB, seed), head, do
@@ -101,6 +103,25 @@ def test_kernels_interpreted(G, Hkv, T, D, LB, W, signed):
     for name, got, want in zip(("o", *NAMES), node(cfg, x, bi, head, do, "triton"),
                                node(cfg, x, bi, head, do, "torch")):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)
+
+
+@gpu
+@pytest.mark.parametrize("signed", [False, True], ids=["gates-0-1", "signed-gates"])
+def test_kernels_gpu_against_fp64_twin(signed):
+    """On CUDA in bf16, output and every gradient against the twin in fp64, within 2x the twin's own
+    bf16 error plus rounding: gates in [0, 1) and of both signs, zeros among them, at the g4 shape's
+    tiles (the whole-op oracle tests take sigmoid gates only)."""
+    cfg, x, bi, head, do = make_case(1, 1000, 2, 4, 128, 64, 512, 16, signed=signed, seed=7)
+    x = {name: t.to("cuda", torch.bfloat16) for name, t in x.items()}
+    bi, do = bi.cuda(), do.to("cuda", torch.bfloat16)
+    got = node(cfg, x, bi, head, do, "auto")
+    low = node(cfg, x, bi, head, do, "torch")
+    want = node(cfg, {n: t.double() for n, t in x.items()}, bi, head, do.double(), "torch")
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, a, lo, w in zip(("o", *NAMES), got, low, want):
+        err = (a.double() - w).abs().max().item()
+        bound = 2 * (lo.double() - w).abs().max().item() + eps / 2 * w.abs().max().item()
+        assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e}"
 
 
 def test_opcheck_cpu():
