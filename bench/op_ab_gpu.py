@@ -94,21 +94,19 @@ def compiled_step(over: dict[str, dict[str, int]], x: dict, do, cfg, grad: bool)
             mod.launch_config = patched[m]
         try:
             out = op(x, cfg)
-            if grad:
-                out.backward(do)
-            return out
+            # autograd.grad as nsa-flex bench takes it: backward() would add each call's gradients
+            # into .grad, eager adds (~0.4 ms at g4, 64k) that are not the op's.
+            grads = torch.autograd.grad(out, [x[n] for n in ("q", "k", "v")], do) if grad else ()
+            return out, grads
         finally:
             for m, mod in modules.items():
                 mod.launch_config = originals[m]
 
-    out = step()  # traces and compiles with the overrides
-    result = [out.detach().float()] + ([x[n].grad.float() for n in ("q", "k", "v")] if grad else [])
-    for t in x.values():
-        t.grad = None
-    return step, result
+    out, grads = step()  # traces and compiles with the overrides
+    return step, [out.detach().float()] + [g.float() for g in grads]
 
 
-def time_variants(steps: dict, x: dict, reps: int, calls: int) -> dict[str, dict]:
+def time_variants(steps: dict, reps: int, calls: int) -> dict[str, dict]:
     """Synced and back-to-back medians and peak MiB of each step, the variants in turn `reps` times."""
     synced = {n: [] for n in steps}
     b2b = {n: [] for n in steps}
@@ -119,8 +117,6 @@ def time_variants(steps: dict, x: dict, reps: int, calls: int) -> dict[str, dict
             synced[name] += timing.times_ms
             peak[name] = timing.peak_mem_mib
             b2b[name].append(time_back_to_back(step, device="cuda", iters=calls))
-            for t in x.values():
-                t.grad = None
     return {n: {"synced_median_ms": statistics.median(synced[n]), "synced_min_ms": min(synced[n]),
                 "back_to_back_ms": statistics.median(b2b[n]), "peak_mib": peak[n]} for n in steps}
 
@@ -158,7 +154,7 @@ def main() -> None:
             for name, over in variants.items():
                 steps[name], results[name] = compiled_step(over, x, do, cfg, grad)
             first = next(iter(results.values()))
-            timed = time_variants(steps, x, args.reps, args.calls)
+            timed = time_variants(steps, args.reps, args.calls)
             for name, step in steps.items():
                 diff = max((a - b).abs().max().item() for a, b in zip(results[name], first))
                 add({"T": T, "mode": mode, "variant": name, **timed[name], "max_abs_diff_vs_first": diff,
