@@ -78,7 +78,8 @@ def three_ops(cfg, x, bi, head, do):
     return (o.detach(), *torch.autograd.grad(o, [leaves[n] for n in NAMES], do))
 
 
-@pytest.mark.parametrize("G, Hkv, T, D, LB, W", [(4, 2, 150, 16, 32, 64), (3, 1, 130, 16, 32, 64), (1, 2, 90, 32, 32, 70)],
+@pytest.mark.parametrize("G, Hkv, T, D, LB, W",
+                         [(4, 2, 150, 16, 32, 64), (3, 1, 130, 16, 32, 64), (1, 2, 90, 32, 32, 70)],
                          ids=["G4", "G3-tiles-cross-blocks", "G1"])
 def test_twin_equals_the_three_ops(G, Hkv, T, D, LB, W):
     cfg, x, bi, head, do = make_case(2, T, Hkv, G, D, LB, W, 5, signed=True, dtype=torch.float64)

@@ -9,9 +9,9 @@ that stored its results under a constexpr branch once did that to the gated sum'
 
 The analysis needs the kernels as JIT functions, not Triton's interpreter's, and a GPU target:
 so a subprocess without TRITON_INTERPRET runs the op's own launch functions (window, selected,
-gated sum, fold, selection, and the gated node's backward) on small CPU tensors, with Triton's driver answering for an sm_90
-GPU, analyses each launch instead of running it and reports the op inputs it would count as
-written. No GPU and no kernel run is needed.
+gated sum, fold, selection, and the gated node's backward) on small CPU tensors, with Triton's
+driver answering for an sm_90 GPU, analyses each launch instead of running it and reports the op
+inputs it would count as written. No GPU and no kernel run is needed.
 """
 
 from __future__ import annotations

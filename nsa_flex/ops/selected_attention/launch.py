@@ -330,7 +330,8 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         if W > 0:
             launch(kernels._bwd_kernel, (W,),
-                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries, items.blk, items.start, items.end,
+                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
+                   items.blk, items.start, items.end,
                    index.blk_start, index.blk_end, Hkv, Nv, t0, scale, *_q_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
                    *dqp.stride()[:4], writes=(dqp, dkp, dvp), GATED=gate is not None, **consts,
