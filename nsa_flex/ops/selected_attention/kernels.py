@@ -9,8 +9,9 @@ per token as in the token-centric loop.
 Forward: each (token, slot) gets a block-local softmax, partial o (normalised, in the partial
 buffer's dtype) and partial lse (fp32, base 2, -inf when no key is visible); _slot_kernel
 merges a token's n partials in fp32. Backward: P = exp(S - lse) from the global lse, dV and dK
-accumulate in registers over the item's chunks and go to an fp32 partial per item, summed per
-block in item order by _block_sum_kernel (deterministic, no atomics); dQ goes to a partial per
+accumulate in registers over the item's chunks; a block's only item writes them itself, others
+go to an fp32 partial per item, summed per block in item order by _block_sum_kernel
+(deterministic, no atomics); dQ goes to a partial per
 (token, slot), summed over the slots in fp32 by _slot_kernel. _slot_gated_kernel merges like
 _slot_kernel and adds the gated sum of the three branches (forward without gradients).
 
@@ -128,14 +129,21 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
-        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, n_items_ptr,
+        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
-        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
+        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        F32_DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr = False,
+        F32_DOT: tl.constexpr, IEEE: tl.constexpr, SUMS: tl.constexpr, ADD: tl.constexpr,
+        ACC: tl.constexpr = False, GATED: tl.constexpr = False,
     ):
-        """dQ partials [B,T',Hq,n,Dk] of the item's tokens, dK/dV partials [W, BL, D] of the item.
+        """dQ partials [B,T',Hq,n,Dk] of the item's tokens; the item's dK/dV.
+
+        An item that is its block's only one in this range finishes the block itself
+        (_finish_block, with SUMS / ADD / ACC as _block_sum_kernel takes them): its sums go
+        straight to dk / dv or to the fp32 sums, with no partial written and read back. Other
+        items write fp32 partials [W, BL, D] for _block_sum_kernel.
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
         GATED: dO is the gated sum's output gradient and the branch's is g_sel dO, with g_sel per row
@@ -180,51 +188,39 @@ if HAS_TRITON:
                 row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
                 tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & (dk[None, :] < DK))
-            r = tl.arange(0, BL)
-            tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc * sc)
-            tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
+            dk_acc = dk_acc * sc
+            if tl.load(n_items_ptr + tl.maximum(tl.load(item_blk_ptr + w), 0)) == 1:
+                _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
+                              sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, BL, DK, DKP, DV, DVP, SUMS, ADD, ACC)
+            else:
+                r = tl.arange(0, BL)
+                tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc)
+                tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
 
     @triton.jit
-    def _block_sum_kernel(
-        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
-        blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-        BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
-    ):
-        """dK, dV of one (batch, kv head, virtual block) for the token range [T0, T1): its items'
-        partials summed in item order.
+    def _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
+                      sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                      DV: tl.constexpr, DVP: tl.constexpr, SUMS: tl.constexpr, ADD: tl.constexpr,
+                      ACC: tl.constexpr):
+        """Write the key block [ks, ke) of (b, kv head h): dk_acc / dv_acc [BL, D'] fp32 are its dK/dV
+        sums over the token range [T0, T1).
 
-        Without SUMS (one range) every block is final here: this writes all of dK and dV (zeros
-        for keys no token selected; every key lies in exactly one virtual block). With SUMS the
+        Without SUMS (one range) every block is final here: this writes its dK and dV (zeros for
+        keys no token selected; every key lies in exactly one virtual block). With SUMS the
         ranges run last first. A token selects only blocks that start at or before it (later
         listed blocks are masked whole and add exact zeros), so a block that starts at or after
-        T1 is final already and is skipped; one that starts in [T0, T1) is final in this range
-        and goes to dk / dv; one that starts before T0 still waits for earlier ranges and goes
-        to the fp32 sums dk_sum / dv_sum (dK/dV's strides). ADD: the sums hold the later
+        T1 is final already and is left alone; one that starts in [T0, T1) is final in this
+        range and goes to dk / dv; one that starts before T0 still waits for earlier ranges and
+        goes to the fp32 sums dk_sum / dv_sum (dK/dV's strides). ADD: the sums hold the later
         ranges' contributions, read and added. ACC: dk / dv hold another gradient already, which
         a block adds where it is final."""
-        row = tl.program_id(0)
-        vb = row % Nv
-        b = (row // Nv // Hkv).to(tl.int64)
-        h = (row // Nv) % Hkv
-        first = tl.load(first_item_ptr + row).to(tl.int64)
-        ks = tl.load(blk_start_ptr + vb)
-        count = tl.load(n_items_ptr + row)
-        # Without SUMS (T0 = 0, T1 = T) every block is live and final.
         live = ks < T1
         final = ks >= T0
-        count = tl.where(live, count, 0)
         r = tl.arange(0, BL)
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
-        dk_acc = tl.zeros([BL, DKP], tl.float32)
-        dv_acc = tl.zeros([BL, DVP], tl.float32)
-        for i in range(count):
-            w = first + i
-            dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
-            dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
         key = ks + r
-        key_ok = (key < tl.load(blk_end_ptr + vb)) & live
+        key_ok = (key < ke) & live
         kt = key.to(tl.int64)[:, None]
         k_at = b * sk_b + kt * sk_t + h * sk_h + dk[None, :]
         v_at = b * sv_b + kt * sv_t + h * sv_h + dv[None, :]
@@ -244,6 +240,40 @@ if HAS_TRITON:
         if SUMS:
             tl.store(dk_sum_ptr + k_at, dk_acc, mask=k_ok & ~final)
             tl.store(dv_sum_ptr + v_at, dv_acc, mask=v_ok & ~final)
+
+    @triton.jit
+    def _block_sum_kernel(
+        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
+        blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
+    ):
+        """dK, dV of one (batch, kv head, virtual block) for the token range [T0, T1): its items'
+        partials summed in item order, then written by _finish_block. A block with one item was
+        finished by that item's program (_bwd_kernel) and is skipped; one with none still gets
+        its zeros or its sums carried."""
+        row = tl.program_id(0)
+        count = tl.load(n_items_ptr + row)
+        if count != 1:
+            vb = row % Nv
+            b = (row // Nv // Hkv).to(tl.int64)
+            h = (row // Nv) % Hkv
+            first = tl.load(first_item_ptr + row).to(tl.int64)
+            ks = tl.load(blk_start_ptr + vb)
+            # A block that starts at or after T1 has only exact zeros here (_finish_block skips it).
+            count = tl.where(ks < T1, count, 0)
+            r = tl.arange(0, BL)
+            dk = tl.arange(0, DKP)
+            dv = tl.arange(0, DVP)
+            dk_acc = tl.zeros([BL, DKP], tl.float32)
+            dv_acc = tl.zeros([BL, DVP], tl.float32)
+            for i in range(count):
+                w = first + i
+                dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
+                dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
+            _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks,
+                          tl.load(blk_end_ptr + vb), T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV,
+                          DVP, SUMS, ADD, ACC)
 
     @triton.jit
     def _slot_kernel(
