@@ -46,9 +46,7 @@ class WorkList(NamedTuple):
     """Work items: spans of at most `span` entries of one row, a static number of them.
 
     Item w covers entries [start[w], end[w]) of row blk[w]; blk[w] = -1 for surplus items.
-    Row r's items are first_item[r] .. first_item[r] + n_items[r] - 1, in entry order. A row
-    of several items keeps their partial sums in slots part_first[r] .. part_first[r] +
-    n_items[r] - 1 of a buffer of partial_slots(...) slots (a row of one item needs none).
+    Row r's items are first_item[r] .. first_item[r] + n_items[r] - 1, in entry order.
     """
 
     blk: Tensor
@@ -56,7 +54,6 @@ class WorkList(NamedTuple):
     end: Tensor
     first_item: Tensor
     n_items: Tensor
-    part_first: Tensor
 
 
 def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
@@ -129,8 +126,6 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
     n_items = (counts + span - 1) // span
     last = torch.cumsum(n_items, 0)
     first = last - n_items
-    shared = torch.where(n_items > 1, n_items, 0)
-    part_first = torch.cumsum(shared, 0) - shared
     W = BH * (-(-(T * n) // span) + index.blk_start.shape[0])
     w = torch.arange(W, device=counts.device)
     row = torch.searchsorted(last, w, right=True)
@@ -140,14 +135,7 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
     end = torch.minimum(start + span, index.offsets.long()[row] + counts[row])
     blk = torch.where(surplus, -1, row)
     return WorkList(blk.to(torch.int32), start.to(torch.int32), end.to(torch.int32), first.to(torch.int32),
-                    n_items.to(torch.int32), part_first.to(torch.int32))
-
-
-def partial_slots(entries: int, span: int) -> int:
-    """A bound from shapes only on the items of rows with several: such a row has count > span
-    entries and ceil(count / span) < 2 count / span items, so over all rows fewer than
-    2 * entries / span (entries: B * Hkv * T * n). At least 1 (a buffer is never empty)."""
-    return max(1, 2 * entries // span)
+                    n_items.to(torch.int32))
 
 
 def _bounds(cu_seqlens: Tensor | None, T: int, device) -> Tensor:

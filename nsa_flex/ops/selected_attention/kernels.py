@@ -129,8 +129,8 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
-        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, first_item_ptr, n_items_ptr,
-        part_first_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, n_items_ptr,
+        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
@@ -143,8 +143,7 @@ if HAS_TRITON:
         An item that is its block's only one in this range finishes the block itself
         (_finish_block, with SUMS / ADD / ACC as _block_sum_kernel takes them): its sums go
         straight to dk / dv or to the fp32 sums, with no partial written and read back. Other
-        items write fp32 partials [P, BL, D] for _block_sum_kernel, in their row's partial slots
-        (index.WorkList.part_first).
+        items write fp32 partials [W, BL, D] for _block_sum_kernel.
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
         GATED: dO is the gated sum's output gradient and the branch's is g_sel dO, with g_sel per row
@@ -190,15 +189,13 @@ if HAS_TRITON:
                 tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & (dk[None, :] < DK))
             dk_acc = dk_acc * sc
-            row = tl.maximum(tl.load(item_blk_ptr + w), 0)
-            if tl.load(n_items_ptr + row) == 1:
+            if tl.load(n_items_ptr + tl.maximum(tl.load(item_blk_ptr + w), 0)) == 1:
                 _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
                               sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, BL, DK, DKP, DV, DVP, SUMS, ADD, ACC)
             else:
                 r = tl.arange(0, BL)
-                part = tl.load(part_first_ptr + row).to(tl.int64) + w - tl.load(first_item_ptr + row)
-                tl.store(dkp_ptr + (part * BL + r[:, None]) * DKP + dk[None, :], dk_acc)
-                tl.store(dvp_ptr + (part * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
+                tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc)
+                tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
 
     @triton.jit
     def _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
@@ -246,7 +243,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _block_sum_kernel(
-        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, n_items_ptr, part_first_ptr, blk_start_ptr,
+        dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
         blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
@@ -261,7 +258,7 @@ if HAS_TRITON:
             vb = row % Nv
             b = (row // Nv // Hkv).to(tl.int64)
             h = (row // Nv) % Hkv
-            first = tl.load(part_first_ptr + row).to(tl.int64)
+            first = tl.load(first_item_ptr + row).to(tl.int64)
             ks = tl.load(blk_start_ptr + vb)
             # A block that starts at or after T1 has only exact zeros here (_finish_block skips it).
             count = tl.where(ks < T1, count, 0)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import kernels
-from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, partial_slots, work_list
+from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
@@ -52,10 +52,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     A forward item walks fwd_chunks chunks with one load of K/V (K/V bytes per token shrink by
     BT * fwd_chunks against the token-centric loop). Each chunk moves its M query rows in and M
     partial rows out, so at 8 chunks the block's K/V are ~1/8 of the item's traffic. A backward
-    item walks bwd_chunks chunks with dK/dV in registers; a block's only item then writes them,
-    others one fp32 [l', Dk + Dv] partial each: 32 chunks make that write ~3% of the item's
-    traffic while block 0 (read by all T tokens) still splits into T / (32 BT) items; from
-    LONG_FROM_TOKENS tokens on 64 chunks, so that at T=64k nearly every other block has one item.
+    item walks bwd_chunks chunks with dK/dV in registers and then writes one fp32 [l', Dk + Dv]
+    partial: 32 chunks make that write ~3% of the item's traffic while block 0 (read by all T
+    tokens) still splits into T / (32 BT) items; from LONG_FROM_TOKENS tokens on 64 chunks.
     The backward holds two [l', D] accumulators: 8 warps once padded Dk + Dv >= 256.
 
     Compiled for sm_90 without a GPU (Triton 3.6, ptxas -v, bf16, l' = 64): forward 127-190
@@ -130,9 +129,10 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     # copy for the row search) and its int64 order.
     index = 24 * B * Hkv * R * n
     forward = B * R * Hq * n * (part * Dv + 4)
-    slots = partial_slots(B * Hkv * R * n, cfg["bwd_BT"] * cfg["bwd_chunks"])
+    span = cfg["bwd_BT"] * cfg["bwd_chunks"]
+    items = B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
-    dkv = 4 * slots * pad(sel_block) * (pad(Dk) + pad(Dv))
+    dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
     # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
     ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
     backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq
@@ -326,9 +326,8 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
-        P = partial_slots(B * Hkv * (t1 - t0) * n, cfg["bwd_BT"] * cfg["bwd_chunks"])
-        dkp = torch.empty(P, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
-        dvp = torch.empty(P, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
+        dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
+        dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         # One range: no sums; the index's counts and offsets (int32 tensors no other argument
         # aliases) stand in for them, never read or written.
         sum_k, sum_v = (dk_sum, dv_sum) if sums else (index.counts, index.offsets)
@@ -337,8 +336,8 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             # A block's only item finishes it (dk, dv or the sums); the others write partials.
             launch(kernels._bwd_kernel, (W,),
                    q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
-                   items.blk, items.start, items.end, index.blk_start, index.blk_end, items.first_item,
-                   items.n_items, items.part_first, dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *_q_strides(q, G, folded),
+                   items.blk, items.start, items.end, index.blk_start, index.blk_end, items.n_items,
+                   dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *_q_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
                    *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
                    writes=(dqp, dkp, dvp, dk, dv) + ((dk_sum, dv_sum) if sums else ()),
@@ -346,7 +345,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         if B * Hkv * Nv > 0:
             # The blocks with no item or several.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
-                dkp, dvp, dk, dv, sum_k, sum_v, items.n_items, items.part_first, index.blk_start, index.blk_end,
+                dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, index.blk_start, index.blk_end,
                 Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
                 DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
