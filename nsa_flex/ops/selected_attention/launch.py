@@ -52,9 +52,10 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     A forward item walks fwd_chunks chunks with one load of K/V (K/V bytes per token shrink by
     BT * fwd_chunks against the token-centric loop). Each chunk moves its M query rows in and M
     partial rows out, so at 8 chunks the block's K/V are ~1/8 of the item's traffic. A backward
-    item walks bwd_chunks chunks with dK/dV in registers and then writes one fp32 [l', Dk + Dv]
-    partial: 32 chunks make that write ~3% of the item's traffic while block 0 (read by all T
-    tokens) still splits into T / (32 BT) items; from LONG_FROM_TOKENS tokens on 64 chunks.
+    item walks bwd_chunks chunks with dK/dV in registers; a block's only item then writes them,
+    others one fp32 [l', Dk + Dv] partial each: 32 chunks make that write ~3% of the item's
+    traffic while block 0 (read by all T tokens) still splits into T / (32 BT) items; from
+    LONG_FROM_TOKENS tokens on 64 chunks, so that at T=64k nearly every other block has one item.
     The backward holds two [l', D] accumulators: 8 warps once padded Dk + Dv >= 256.
 
     Compiled for sm_90 without a GPU (Triton 3.6, ptxas -v, bf16, l' = 64): forward 127-190
