@@ -30,6 +30,7 @@ from torch.library import triton_op
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import fold
+from nsa_flex.ops.gated_sum import _forward_impl as gated_sum_forward
 from nsa_flex.ops.gated_sum import backward_deltas, check_branch_outputs
 from nsa_flex.ops import window as window_op
 from nsa_flex.ops.gated_sum import twin as gated_sum_twin
@@ -77,10 +78,9 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_ro
         return gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), o_sel, lse_sel, o_win, lse_win
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     o_win, lse_win, o_loc, lse_loc = window_op.forward(q, k, v, group, window, scale, cfg, sel_block)
-    # The gated sum is the selected merge's epilogue, which also keeps o_sel and its lse.
-    o, o_sel, lse_sel = selected_launch.forward_gated(q, k, v, block_indices, None, scale, sel_block, cmp_rows,
-                                                      cmp_head, o_win, gates, q_heads=q_heads,
-                                                      local=dense(o_loc, lse_loc), keep=True)
+    o_sel, lse_sel = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
+                                             local=dense(o_loc, lse_loc))
+    o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton")
     return o, o_sel, lse_sel, o_win, lse_win
 
 

@@ -377,36 +377,28 @@ if HAS_TRITON:
 
     @triton.jit
     def _slot_gated_kernel(
-        part_ptr, plse_ptr, gid_ptr, cmp_ptr, win_ptr, gate_ptr, out_ptr, loc_ptr, loc_lse_ptr, sel_ptr, lse_ptr,
-        T, T0, Hkv, HEAD, RC,
+        part_ptr, plse_ptr, gid_ptr, cmp_ptr, win_ptr, gate_ptr, out_ptr, loc_ptr, loc_lse_ptr, T, T0, Hkv, HEAD, RC,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
         sc_b, sc_h, sc_r, sw_b, sw_h, sw_r, sgt_b, sgt_t, sgt_h, so_b, so_t, so_h, sx_b, sx_h, sx_r, sxl_b, sxl_h,
-        sl_b, sl_h, sl_t,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        DP: tl.constexpr, LOCAL: tl.constexpr, KEEP: tl.constexpr = False,
+        DP: tl.constexpr, LOCAL: tl.constexpr,
     ):
-        """_slot_kernel's merge with the gated sum as its epilogue.
+        """_slot_kernel's merge with the gated sum as its epilogue (no autograd: forward only).
 
         One (b, t, kv head h) of the range: o_sel of its G query heads merged as _slot_kernel does
         and rounded to out's dtype, then o = g_cmp o_cmp + g_sel o_sel + g_win o_win in fp32, the
         same expression as nsa_flex::gated_sum's kernel, into out [B, T, Hq, D] at token T0 + t.
         o_cmp: folded rows from row HEAD on (RC of them, earlier rows zero), o_win folded
-        [B, Hkv, T*G, D], gates [B, T, Hq, 3]. Without KEEP (no gradients) o_sel is never written
-        to memory and read back; with KEEP it goes to sel [B, T, Hq, D] (out's strides) and its lse
-        to lse [B, Hq, T] as _slot_kernel writes them, for the backward.
+        [B, Hkv, T*G, D], gates [B, T, Hq, 3]. So o_sel is never written to memory and read back.
         """
         b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
             gid_ptr, T, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
         plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
         loc_rows, loc_lse = _local_rows(loc_ptr, loc_lse_ptr, b, h, T0 + t, g, d, sx_b, sx_h, sx_r, sxl_b, sxl_h,
                                         G)
-        o_sel, lse = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, loc_rows, loc_lse,
-                             N, NP, GP, DP, LOCAL)
-        x_sel = o_sel.to(out_ptr.dtype.element_ty)
-        if KEEP:
-            tl.store(sel_ptr + b * so_b + (T0 + t) * so_t + hq[:, None] * so_h + d[None, :], x_sel, mask=row_ok)
-            tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse, mask=g_ok)
-        x_sel = x_sel.to(tl.float32)
+        o_sel, _ = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, t >= 0, sp_n, loc_rows, loc_lse,
+                           N, NP, GP, DP, LOCAL)
+        x_sel = o_sel.to(out_ptr.dtype.element_ty).to(tl.float32)
         r = (T0 + t) * G + g
         c = r - HEAD
         c_ok = g_ok & (c >= 0) & (c < RC)

@@ -205,18 +205,14 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
 
 
 def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, cmp_rows, head: int, o_win,
-                  gates, tiles=None, q_heads: int = 0, local=None, keep: bool = False):
+                  gates, tiles=None, q_heads: int = 0, local=None):
     """o = g_cmp o_cmp + g_sel o_sel + g_win o_win [B,T,Hq,Dv] in q's dtype on the Triton path: the
     forward with nsa_flex::gated_sum as the slot merge's epilogue (shapes as gated_sum takes them;
-    local as forward's). keep: (o, o_sel, lse), the last two as forward returns them, for a
-    backward; else o alone."""
+    local as forward's)."""
     cmp_rows, o_win, gates = dense(cmp_rows, o_win, gates)
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
-    # Without keep the kernel never stores o_sel or lse: one-element buffers stand in for them.
-    o_sel = torch.empty_like(o) if keep else o.new_empty(1)
-    lse = torch.empty(B, Hq, T if keep else 1, dtype=torch.float32, device=q.device)
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
                                                local is not None):
         _, Tr, _, n, D = po.shape
@@ -227,12 +223,11 @@ def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: i
         DP = max(16, next_pow2(D))
         loc, loc_lse, loc_strides = _local_args(local, index)
         wrap_triton(kernels._slot_gated_kernel)[(B * Tr * Hkv,)](
-            po, plse, gid, cmp_rows, o_win, gates, o, loc, loc_lse, o_sel, lse, Tr, t0, Hkv, head, cmp_rows.shape[2],
+            po, plse, gid, cmp_rows, o_win, gates, o, loc, loc_lse, Tr, t0, Hkv, head, cmp_rows.shape[2],
             *po.stride()[:4], *plse.stride()[:3], *gid.stride()[:3], *cmp_rows.stride()[:3], *o_win.stride()[:3],
-            *gates.stride()[:3], *o.stride()[:3], *loc_strides, *lse.stride(), N=n,
-            NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP, LOCAL=local is not None, KEEP=keep,
-            num_warps=_slot_warps(GP, DP))
-    return (o, o_sel, lse) if keep else o
+            *gates.stride()[:3], *o.stride()[:3], *loc_strides, N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP,
+            LOCAL=local is not None, num_warps=_slot_warps(GP, DP))
+    return o
 
 
 def _local_args(local, index: SelectionIndex):
