@@ -17,13 +17,13 @@ import torch
 from interpreter import interpreter_mark
 from nsa_flex.folded import fold
 from nsa_flex.ops.gated_sum import gated_sum
-from nsa_flex.ops.selected_attention import kernels, launch, selected_attention
+from nsa_flex.ops.selected_attention import launch, merge_kernels, selected_attention
 from test_gated_sum import plain_sum
 from test_selected_attention import make_config, make_inputs, oracle, poisoned, random_selection  # noqa: F401
 
 op = importlib.import_module("nsa_flex.ops.selected_attention")
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
-interpreter = interpreter_mark(getattr(kernels, "_slot_gated_kernel", None))
+interpreter = interpreter_mark(getattr(merge_kernels, "_slot_gated_kernel", None))
 
 
 def branch_outputs(B, T, cfg, dtype, head, extra, seed=0, device="cpu"):

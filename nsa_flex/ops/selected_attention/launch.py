@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from nsa_flex.ops.capped_launch import launch
-from nsa_flex.ops.selected_attention import kernels
+from nsa_flex.ops.selected_attention import kernels, merge_kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
@@ -222,7 +222,7 @@ def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: i
         GP = next_pow2(Hq // Hkv)
         DP = max(16, next_pow2(D))
         loc, loc_lse, loc_strides = _local_args(local, index)
-        wrap_triton(kernels._slot_gated_kernel)[(B * Tr * Hkv,)](
+        wrap_triton(merge_kernels._slot_gated_kernel)[(B * Tr * Hkv,)](
             po, plse, gid, cmp_rows, o_win, gates, o, loc, loc_lse, Tr, t0, Hkv, head, cmp_rows.shape[2],
             *po.stride()[:4], *plse.stride()[:3], *gid.stride()[:3], *cmp_rows.stride()[:3], *o_win.stride()[:3],
             *gates.stride()[:3], *o.stride()[:3], *loc_strides, N=n, NP=next_pow2(n), G=Hq // Hkv, GP=GP, D=D, DP=DP,
@@ -363,7 +363,7 @@ def _delta(do: Tensor, o: Tensor) -> Tensor:
     HP = next_pow2(Hq)
     TB = max(1, 64 // HP)
     if B * T * Hq > 0:
-        wrap_triton(kernels._delta_kernel)[(-(-T // TB), B)](
+        wrap_triton(merge_kernels._delta_kernel)[(-(-T // TB), B)](
             do, o, delta, T, Hq, *do.stride()[:3], *o.stride()[:3], *delta.stride(), TB=TB, HP=HP, D=D,
             DP=max(16, next_pow2(D)), num_warps=4)
     return delta
@@ -425,7 +425,7 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
     sl = lse_.stride()[:3] if merge else (0, 0, 0)
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     loc, loc_lse, loc_strides = _local_args(local, index)
-    wrap_triton(kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
+    wrap_triton(merge_kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
         part, plse_, gid, out, lse_, loc, loc_lse, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
         *out_strides, *sl, *loc_strides, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
         LOCAL=local is not None, ACC=acc, num_warps=_slot_warps(GP, DP))
