@@ -61,6 +61,9 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["g4:65536"], help="preset:T each")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
+    # The graph compiled here, not one Inductor cached from another version of the code.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     record = {"header": header(), "rows": []}
     save = json_saver(args.out, record)
     for spec in args.shapes:
