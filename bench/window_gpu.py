@@ -20,6 +20,10 @@ two causal attention calls over w-token chunks (queries of chunk i over the keys
 and w-1 reversed queries over the w-1 reversed keys before the chunk; design in
 docs/decisions.md): both cuDNN calls on inputs of those shapes, forward and forward+backward
 with plain autograd, no merge: what that design would pay before its copies and merge.
+--fa2: torch's own FlashAttention-2 kernels with a window (aten._flash_attention_forward with
+window_size_left = W - 1, GQA k/v, q unfolded [B, T, Hq, D]; autograd through its backward, which
+adds dQ with atomics), forward and forward+backward, plain and with torch's deterministic
+algorithms on, and their differences from the window op's kernels (the first --kernels variant).
 """
 
 from __future__ import annotations
@@ -109,15 +113,51 @@ def _kernel_row(shape, spec, q_fold, k, v, G, w, scale, grad, ref) -> dict:
                 row[f"max_diff_{name}_vs_first"] = float((value - ref[name]).abs().max())
     except Exception as exc:  # settings with no valid launch (shared memory): say so, go on
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        got = None
+    return row, got
+
+
+def _fa2_row(shape, x, Hkv, w, scale, grad_fold, ref, deterministic: bool) -> dict:
+    """torch's FlashAttention-2 with the window on unfolded q [B, T, Hq, D], GQA k / v: times and
+    differences (folded like the op's) from ref; whether two backward calls gave the same bits."""
+    from nsa_flex.folded import fold
+
+    q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    T = q.shape[1]
+    grad = grad_fold.view(q.shape[0], Hkv, T, -1, grad_fold.shape[-1]).transpose(1, 2).reshape(q.shape[:3] + grad_fold.shape[-1:])
+
+    def call():
+        return torch.ops.aten._flash_attention_forward(q, k, v, None, None, T, T, 0.0, True, False, scale=scale,
+                                                       window_size_left=w - 1, window_size_right=0)[0]
+
+    row = {"shape": shape, "what": f"fa2 window, deterministic={deterministic}"}
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        row.update(_timed(call, [q, k, v], grad))
+        got = _outputs(call, [q, k, v], grad)
+        again = _outputs(call, [q, k, v], grad)
+        row["bwd_repeatable"] = all(torch.equal(got[n], again[n]) for n in got)
+        got = {"o": fold(got["o"], Hkv), "dq": fold(got["dq"], Hkv), "dk": got["dk"], "dv": got["dv"]}
+        if ref is not None:
+            for name, value in got.items():
+                row[f"max_diff_{name}_vs_first"] = float((value - ref[name]).abs().max())
+                row[f"max_abs_{name}_first"] = float(ref[name].abs().max())
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        torch.use_deterministic_algorithms(was)
     return row
 
 
 def main() -> None:
     p = shape_script_parser(__doc__, ["1:65536:16:4:128"])
-    p.add_argument("--blocks", nargs="+", default=["128x128", "128x64", "128x64:bwd_BLOCK_N1=64"])
+    p.add_argument("--blocks", nargs="*", default=["128x128", "128x64", "128x64:bwd_BLOCK_N1=64"],
+                   help="Flex window variants; none: no Flex call")
     p.add_argument("--no-cudnn", action="store_true", help="skip the chunked cuDNN calls")
     p.add_argument("--max-autotune", action="store_true", help="Inductor times its candidate Flex tiles")
     p.add_argument("--kernels", nargs="*", default=[], help='window op settings: "default" or "key=int,..."')
+    p.add_argument("--fa2", action="store_true", help="also torch's FlashAttention-2 kernels with the window")
     args = p.parse_args()
     install_flex_tuning()
     if args.max_autotune:
@@ -156,9 +196,16 @@ def main() -> None:
                 row = {"shape": shape, "what": f"flex window {blocks}", "error": f"{type(exc).__name__}: {exc}"[:300]}
             add(row)
             torch.cuda.empty_cache()
+        g = torch.randn(B, Hkv, T * G, cfg.head_dim, device="cuda", dtype=torch.bfloat16) if g is None else g
         for spec in args.kernels:
-            add(_kernel_row(shape, spec, q_fold, k, v, G, w, D ** -0.5, g, ref))
+            row, got = _kernel_row(shape, spec, q_fold, k, v, G, w, D ** -0.5, g, ref)
+            ref = got if ref is None else ref
+            add(row)
             torch.cuda.empty_cache()
+        if args.fa2:
+            for deterministic in (False, True):
+                add(_fa2_row(shape, x, Hkv, w, D ** -0.5, g, ref, deterministic))
+                torch.cuda.empty_cache()
         # Two causal calls over chunks: A [B*nC, Hq, w, D] over [B*nC, Hkv, w, D];
         # B [B*(nC-1), Hq, w-1, D] over [B*(nC-1), Hkv, w-1, D].
         if args.no_cudnn:
