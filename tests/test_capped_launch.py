@@ -132,5 +132,5 @@ def test_errors():
     def local_kernel(x_ptr):
         pass
 
-    with pytest.raises(ValueError, match="a capped launch needs a module-level @triton.jit kernel"):
+    with pytest.raises(ValueError, match="an opaque launch needs a module-level kernel"):
         launch(local_kernel, (1,), x, maxnreg=96)

@@ -23,26 +23,31 @@ if HAS_TRITON:
     from torch.library import wrap_triton
 
 
-def launch(kernel, grid, *args, writes=(), **kwargs) -> None:
+def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), traceable by torch.compile, with kwargs["maxnreg"] honoured.
 
     The ops call this from their triton_op bodies, which torch.compile traces below Dynamo. Where
     Dynamo itself traces the launch (a caller compiling these launch functions directly) it
     cannot read the kernel's name, so the launch stays a wrap_triton one, uncapped.
 
-    kernel: a module-level @triton.jit function. args: tensors, None, bools, ints and floats.
+    kernel: a module-level @triton.jit (or @gluon.jit) function. args: tensors, None, bools, ints
+    and floats. opaque: through the opaque op even without a cap (a Gluon kernel, which Inductor
+    cannot launch).
     writes: the tensors among args that the kernel stores to (a capped launch declares them to
     torch.library; the other tensors are only read). kwargs: constexprs and launch options, all
     plain values (bool, int, float, str, None); maxnreg 0 or None means no cap.
     """
     if not kwargs.get("maxnreg"):
         kwargs.pop("maxnreg", None)
-    if "maxnreg" not in kwargs or torch.compiler.is_dynamo_compiling():
+    if opaque and torch.compiler.is_dynamo_compiling():
+        raise RuntimeError(f"{kernel.fn.__name__}: an opaque launch cannot be traced by Dynamo itself; "
+                           "call it from a torch.library op")
+    if ("maxnreg" not in kwargs and not opaque) or torch.compiler.is_dynamo_compiling():
         wrap_triton(kernel)[tuple(grid)](*args, **kwargs)
         return
     name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
     if _kernel(name) is not kernel:
-        raise ValueError(f"a capped launch needs a module-level @triton.jit kernel, got {name}")
+        raise ValueError(f"an opaque launch needs a module-level kernel, got {name}")
     # Constexprs and launch options must be concrete: a symbolic one (an int argument torch.compile
     # made dynamic) is specialised here, under a guard.
     kwargs = {k: _concrete(v) for k, v in kwargs.items()}

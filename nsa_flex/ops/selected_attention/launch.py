@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from nsa_flex.ops.capped_launch import launch
-from nsa_flex.ops.selected_attention import kernels, merge_kernels
+from nsa_flex.ops.selected_attention import gluon_kernels, kernels, merge_kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
@@ -20,7 +20,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "bwd_gluon")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -87,6 +87,9 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     to it; that op's host time outweighs the saving below LONG_FROM_TOKENS tokens.
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
+    bwd_gluon 1: the backward runs gluon_kernels' kernel where it applies (Hopper, 16-bit,
+    Dk = Dv = 128, 128-row chunks): its gathers overlap the dots, 4.89 against 5.93 ms at T=64k, G=4
+    on an H100 (docs/decisions.md); 0: the Triton kernel everywhere.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -99,7 +102,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
             "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0,
-            "bwd_maxnreg": 0, "range_tokens": 0}
+            "bwd_maxnreg": 0, "range_tokens": 0, "bwd_gluon": 1}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -312,6 +315,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dq, dk, dv = acc
         if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape) or not all(x.is_contiguous() for x in acc):
             raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
+    # Dynamo tracing these launches itself cannot launch a Gluon kernel (it is opaque to Inductor).
+    gluon = (bool(cfg["bwd_gluon"]) and gluon_kernels.applies(q, v, cfg["bwd_BT"], consts["GP"], consts["BL"])
+             and not torch.compiler.is_dynamo_compiling())
     ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
@@ -333,7 +339,15 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         # aliases) stand in for them, never read or written.
         sum_k, sum_v = (dk_sum, dv_sum) if sums else (index.counts, index.offsets)
         finish = dict(SUMS=sums, ADD=i > 0, ACC=acc is not None)
-        if W > 0:
+        if W > 0 and gluon:
+            # Every item writes its partial; the block sum finishes every block.
+            launch(gluon_kernels._bwd_gluon_kernel, (W,),
+                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
+                   items.blk, items.start, items.end, index.blk_start, index.blk_end, Hkv, Nv, t0, scale,
+                   *_q_strides(q, G, folded), *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
+                   *dqp.stride()[:4], writes=(dqp, dkp, dvp), opaque=True, N=n, G=G, GP=consts["GP"],
+                   BT=cfg["bwd_BT"], BL=consts["BL"], D=Dk, GATED=gate is not None, num_warps=8)
+        elif W > 0:
             # A block's only item finishes it (dk, dv or the sums); the others write partials.
             launch(kernels._bwd_kernel, (W,),
                    q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
@@ -348,7 +362,8 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
                 dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, index.blk_start, index.blk_end,
                 Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
-                DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
+                DV=consts["DV"], DVP=consts["DVP"], **finish, FINISH_ALL=gluon,
+                num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
         _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)

@@ -1,0 +1,200 @@
+"""The selected op's backward kernel in Gluon, for Hopper at 16-bit Dk = Dv = 128.
+
+Same work and results as kernels._bwd_kernel (bit for bit: the same five dots with the same
+operand layouts and roundings), in another loop order of its memory traffic. Built by Triton
+3.6 for sm_90, the Triton kernel's loop waits for all of a chunk's gathered copies (its query
+and output-gradient rows, cp.async) at the top of the iteration and issues the next chunk's
+only after the chunk's dots and dQ store, so with one 8-warp program per SM nothing overlaps
+the gathers. Gluon states the schedule: chunk i+1's copies go into the other buffer before the
+program waits for chunk i's (cp.async groups, wait_group(1)); the entries, lse, delta and gate
+of later chunks are read into registers a chunk or two early; P's exp runs under dP's dot, and
+dQ's dot goes first so that its store runs under dV's and dK's.
+
+Every item writes its fp32 dK/dV partial; _block_sum_kernel then finishes every block
+(FINISH_ALL). Gluon kernels do not run under Triton's CPU interpreter: the CPU tests build this
+one for sm_90a and interpret its Triton twin (_bwd_kernel); the GPU tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, \
+        warpgroup_mma_wait
+
+    HAS_GLUON = True
+except ImportError:  # no Triton, or one without Gluon: the Triton kernel runs
+    HAS_GLUON = False
+
+ROWS = 128
+"""Query rows per chunk (BT * G'), the one tile the kernel is written for."""
+
+
+def applies(q: torch.Tensor, v: torch.Tensor, BT: int, GP: int, BL: int) -> bool:
+    """Whether the Gluon backward runs: Hopper (sm_90), 16-bit, Dk = Dv = 128, 128-row chunks, l' = 64."""
+    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
+            and v.shape[-1] == 128 and BT * GP == ROWS and BL == 64 and _capability(q.device.index) == (9, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _rows(entries_ptr, c0, end, N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, M: gl.constexpr,
+              layout: gl.constexpr):
+        """(token t, slot, group member g, row ok) of the M rows of the chunk at entry c0, in layout:
+        row r is entry c0 + r // G' and group member r % G' (masked past G)."""
+        r = gl.arange(0, M, layout=layout)
+        e_ok = c0 + r // GP < end
+        e = gl.load(entries_ptr + c0 + r // GP, mask=e_ok, other=0)
+        g = r % GP
+        return (e // N).to(gl.int64), e % N, g, e_ok & (g < G)
+
+    @gluon.jit
+    def _bwd_gluon_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
+        sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
+        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
+        N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr,
+        D: gl.constexpr, GATED: gl.constexpr,
+    ):
+        """dQ partials [B,T',Hq,n,D] of the item's tokens and its fp32 dK/dV partials [W, BL, D];
+        arguments as _bwd_kernel's (8 warps)."""
+        LOG2E: gl.constexpr = 1.4426950408889634
+        M: gl.constexpr = BT * GP
+        # Gathers and dQ stores: 16-byte vectors, 8 rows a warp (a row vector costs 2 registers).
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, BL, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, D, 16])
+        mma_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                          instr_shape=[16, D // 2, 16])
+        row_ld: gl.constexpr = gl.SliceLayout(1, ld)
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        sh_md: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], dtype)
+        sh_kd: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BL, D], dtype)
+        sh_ml: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, BL], dtype)
+
+        w = gl.program_id(0)
+        blk = gl.load(item_blk_ptr + w)
+        valid = blk >= 0
+        blk = gl.maximum(blk, 0)
+        vb = blk % Nv
+        bh = blk // Nv
+        b = (bh // Hkv).to(gl.int64)
+        h = bh % Hkv
+        start = gl.load(item_start_ptr + w)
+        end = gl.where(valid, gl.load(item_end_ptr + w), start)
+        ks = gl.load(blk_start_ptr + vb)
+        ke = gl.load(blk_end_ptr + vb)
+
+        q_buf = gl.allocate_shared_memory(dtype, [2, M, D], sh_md)
+        do_buf = gl.allocate_shared_memory(dtype, [2, M, D], sh_md)
+        k_smem = gl.allocate_shared_memory(dtype, [BL, D], sh_kd)
+        v_smem = gl.allocate_shared_memory(dtype, [BL, D], sh_kd)
+        p_smem = gl.allocate_shared_memory(dtype, [M, BL], sh_ml)
+        ds_smem = gl.allocate_shared_memory(dtype, [M, BL], sh_ml)
+
+        # The key block, once (zero rows past its end).
+        kr = ks + gl.arange(0, BL, layout=row_ld)
+        col = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        kv_ok = (kr < ke)[:, None]
+        k_smem.store(gl.load(k_ptr + b * sk_b + kr.to(gl.int64)[:, None] * sk_t + h * sk_h + col[None, :],
+                             mask=kv_ok, other=0.0))
+        v_smem.store(gl.load(v_ptr + b * sv_b + kr.to(gl.int64)[:, None] * sv_t + h * sv_h + col[None, :],
+                             mask=kv_ok, other=0.0))
+
+        # Inductor may pass the float as fp64; keep the tiles fp32.
+        sc = gl.cast(scale, gl.float32)
+        scale2 = sc * LOG2E
+        key = ks + gl.arange(0, BL, layout=gl.SliceLayout(0, mma_s))
+        key_ok = key < ke
+        dk_acc = gl.zeros([BL, D], gl.float32, layout=mma_kv)
+        dv_acc = gl.zeros([BL, D], gl.float32, layout=mma_kv)
+        s_zero = gl.zeros([M, BL], gl.float32, layout=mma_s)
+        q_zero = gl.zeros([M, D], gl.float32, layout=mma_q)
+
+        # Chunk 0's copies; its scores' row data; the gather rows of chunks 0 and 1.
+        t, slot, g, ok = _rows(entries_ptr, start, end, N, G, GP, M, row_ld)
+        qa = b * sq_b + (T0 + t) * sq_t + h * sq_kv + g * sq_g
+        da = b * sdo_b + (T0 + t) * sdo_t + (h * G + g) * sdo_h
+        async_copy.async_copy_global_to_shared(q_buf.index(0), q_ptr + qa[:, None] + col[None, :], mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(do_buf.index(0), do_ptr + da[:, None] + col[None, :],
+                                               mask=ok[:, None])
+        async_copy.commit_group()
+        t_s, slot_s, g_s, ok_s = _rows(entries_ptr, start, end, N, G, GP, M, row_s)
+        st = b * sl_b + (h * G + g_s) * sl_h + (T0 + t_s) * sl_t
+        lse2 = gl.load(lse_ptr + st, mask=ok_s, other=0.0) * LOG2E
+        delta = gl.load(delta_ptr + st, mask=ok_s, other=0.0)
+        gate = gl.load(gate_ptr + st, mask=ok_s & GATED, other=0.0)
+        tn, sn, gn, okn = _rows(entries_ptr, start + BT, end, N, G, GP, M, row_ld)
+        t1, s1, g1, ok1 = tn, sn, gn, okn
+        for i in range(gl.cdiv(end - start, BT)):
+            c0 = start + i * BT
+            cur = i % 2
+            # Every warp is past chunk i-1's dots, which read the other buffers: refill them
+            # with chunk i+1 (rows all masked past the item's end).
+            gl.thread_barrier()
+            qa = b * sq_b + (T0 + tn) * sq_t + h * sq_kv + gn * sq_g
+            da = b * sdo_b + (T0 + tn) * sdo_t + (h * G + gn) * sdo_h
+            async_copy.async_copy_global_to_shared(q_buf.index(1 - cur), q_ptr + qa[:, None] + col[None, :],
+                                                   mask=okn[:, None])
+            async_copy.async_copy_global_to_shared(do_buf.index(1 - cur), do_ptr + da[:, None] + col[None, :],
+                                                   mask=okn[:, None])
+            async_copy.commit_group()
+            # Read now, used next iteration: chunk i+2's gather rows, chunk i+1's score rows.
+            tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
+            tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
+            stn = b * sl_b + (h * G + gn_s) * sl_h + (T0 + tn_s) * sl_t
+            lse2_n = gl.load(lse_ptr + stn, mask=okn_s, other=0.0) * LOG2E
+            delta_n = gl.load(delta_ptr + stn, mask=okn_s, other=0.0)
+            gate_n = gl.load(gate_ptr + stn, mask=okn_s & GATED, other=0.0)
+            # Chunk i's copies: every group but the one just committed.
+            async_copy.wait_group(1)
+            gl.thread_barrier()
+            fence_async_shared()
+            qs = q_buf.index(cur)
+            dos = do_buf.index(cur)
+            vis = ok_s[:, None] & key_ok[None, :] & (key[None, :] <= (T0 + t_s)[:, None])
+            s = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(dos, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # P while dP's dot runs. A row with no visible key anywhere has lse -inf and none here.
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            p = gl.where(vis, gl.exp2(s * scale2 - lse2[:, None]), 0.0)
+            if GATED:
+                p = p * gate[:, None]
+            p_smem.store(p.to(dtype))
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+            ds_smem.store((p * (dp - delta[:, None])).to(dtype))
+            gl.thread_barrier()
+            fence_async_shared()
+            # dQ's dot first: its store runs under dV's and dK's.
+            dq = warpgroup_mma(ds_smem, k_smem, q_zero, use_acc=False, is_async=True)
+            dv_acc = warpgroup_mma(p_smem.permute((1, 0)), dos, dv_acc, is_async=True)
+            dk_acc = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk_acc, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
+            row = b * sdq_b + t * sdq_t + (h * G + g) * sdq_h + slot * sdq_n
+            gl.store(dqp_ptr + row[:, None] + col[None, :],
+                     gl.convert_layout((dq * sc).to(dqp_ptr.dtype.element_ty), ld), mask=ok[:, None])
+            dv_acc, dk_acc = warpgroup_mma_wait(num_outstanding=0, deps=(dv_acc, dk_acc))
+            t_s, ok_s, lse2, delta, gate = tn_s, okn_s, lse2_n, delta_n, gate_n
+            t, slot, g, ok = t1, s1, g1, ok1
+            t1, s1, g1, ok1 = tn, sn, gn, okn
+        async_copy.wait_group(0)
+        dk_acc = dk_acc * sc
+        r = gl.arange(0, BL, layout=gl.SliceLayout(1, mma_kv))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, mma_kv))
+        at = (w.to(gl.int64) * BL + r[:, None]) * D + c[None, :]
+        gl.store(dkp_ptr + at, dk_acc)
+        gl.store(dvp_ptr + at, dv_acc)
