@@ -10,8 +10,8 @@ program waits for chunk i's (cp.async groups, wait_group(1)); the entries, lse, 
 of later chunks are read into registers a chunk or two early; P's exp runs under dP's dot, and
 dQ's dot goes first so that its store runs under dV's and dK's.
 
-Every item writes its fp32 dK/dV partial; _block_sum_kernel then finishes every block
-(FINISH_ALL). Gluon kernels do not run under Triton's CPU interpreter: the CPU tests build this
+A block's only item finishes the block itself (_finish_block, the Triton kernel's rule), others
+write fp32 partials for _block_sum_kernel. Gluon kernels do not run under Triton's CPU interpreter: the CPU tests build this
 one for sm_90a and interpret its Triton twin (_bwd_kernel); the GPU tests compare the two.
 """
 
@@ -62,16 +62,22 @@ if HAS_GLUON:
     @gluon.jit
     def _bwd_gluon_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
-        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, n_items_ptr,
+        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
-        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n,
+        sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
         N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr,
-        D: gl.constexpr, GATED: gl.constexpr,
+        DK: gl.constexpr, DKP: gl.constexpr, DV: gl.constexpr, DVP: gl.constexpr,
+        F32_DOT: gl.constexpr, IEEE: gl.constexpr, SUMS: gl.constexpr, ADD: gl.constexpr,
+        ACC: gl.constexpr = False, GATED: gl.constexpr = False,
     ):
-        """dQ partials [B,T',Hq,n,D] of the item's tokens and its fp32 dK/dV partials [W, BL, D];
-        arguments as _bwd_kernel's (8 warps)."""
+        """Arguments and results as kernels._bwd_kernel's (launched with 8 warps; DK = DKP = DV = DVP
+        = 128; F32_DOT and IEEE are False where it applies): dQ partials [B,T',Hq,n,D] of the
+        item's tokens; the item's dK/dV, finished here when it is its block's only item
+        (_finish_block), else an fp32 partial [W, BL, D] for _block_sum_kernel."""
         LOG2E: gl.constexpr = 1.4426950408889634
         M: gl.constexpr = BT * GP
+        D: gl.constexpr = DKP
         # Gathers and dQ stores: 16-byte vectors, 8 rows a warp (a row vector costs 2 registers).
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -195,6 +201,42 @@ if HAS_GLUON:
         dk_acc = dk_acc * sc
         r = gl.arange(0, BL, layout=gl.SliceLayout(1, mma_kv))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, mma_kv))
-        at = (w.to(gl.int64) * BL + r[:, None]) * D + c[None, :]
-        gl.store(dkp_ptr + at, dk_acc)
-        gl.store(dvp_ptr + at, dv_acc)
+        if valid:
+            if gl.load(n_items_ptr + blk) == 1:
+                _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
+                              sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, r, c, SUMS, ADD, ACC)
+            else:
+                at = (w.to(gl.int64) * BL + r[:, None]) * D + c[None, :]
+                gl.store(dkp_ptr + at, dk_acc)
+                gl.store(dvp_ptr + at, dv_acc)
+
+    @gluon.jit
+    def _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
+                      sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, r, c, SUMS: gl.constexpr, ADD: gl.constexpr,
+                      ACC: gl.constexpr):
+        """kernels._finish_block's rule, in Gluon (r, c: the sums' row and column ids in their layout):
+        a block that starts at or after T1 is final already and left alone; one that starts in
+        [T0, T1) goes to dk / dv (added to their content with ACC); one that starts before T0 goes
+        to the fp32 sums (with ADD, the later ranges' sums are read and added first)."""
+        live = ks < T1
+        final = ks >= T0
+        waits = ks < T0
+        key = ks + r
+        kt = key.to(gl.int64)[:, None]
+        ok = ((key < ke) & live)[:, None]
+        k_at = b * sk_b + kt * sk_t + h * sk_h + c[None, :]
+        v_at = b * sv_b + kt * sv_t + h * sv_h + c[None, :]
+        if ADD:
+            dk_acc += gl.load(dk_sum_ptr + k_at, mask=ok, other=0.0)
+            dv_acc += gl.load(dv_sum_ptr + v_at, mask=ok, other=0.0)
+        if ACC:
+            dk_out = dk_acc + gl.load(dk_ptr + k_at, mask=ok & final, other=0.0).to(gl.float32)
+            dv_out = dv_acc + gl.load(dv_ptr + v_at, mask=ok & final, other=0.0).to(gl.float32)
+        else:
+            dk_out = dk_acc
+            dv_out = dv_acc
+        gl.store(dk_ptr + k_at, dk_out.to(dk_ptr.dtype.element_ty), mask=ok & final)
+        gl.store(dv_ptr + v_at, dv_out.to(dv_ptr.dtype.element_ty), mask=ok & final)
+        if SUMS:
+            gl.store(dk_sum_ptr + k_at, dk_acc, mask=ok & waits)
+            gl.store(dv_sum_ptr + v_at, dv_acc, mask=ok & waits)

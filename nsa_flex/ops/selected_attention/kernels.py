@@ -245,16 +245,15 @@ if HAS_TRITON:
         dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
         blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False, FINISH_ALL: tl.constexpr = False,
+        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
     ):
         """dK, dV of one (batch, kv head, virtual block) for the token range [T0, T1): its items'
         partials summed in item order, then written by _finish_block. A block with one item was
-        finished by that item's program (_bwd_kernel) and is skipped, unless FINISH_ALL (the Gluon
-        backward, whose items all write partials); one with none still gets its zeros or its sums
-        carried."""
+        finished by that item's program (_bwd_kernel, or gluon_kernels' twin) and is skipped; one with
+        none still gets its zeros or its sums carried."""
         row = tl.program_id(0)
         count = tl.load(n_items_ptr + row)
-        if (count != 1) | FINISH_ALL:
+        if count != 1:
             vb = row % Nv
             b = (row // Nv // Hkv).to(tl.int64)
             h = (row // Nv) % Hkv

@@ -339,31 +339,25 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         # aliases) stand in for them, never read or written.
         sum_k, sum_v = (dk_sum, dv_sum) if sums else (index.counts, index.offsets)
         finish = dict(SUMS=sums, ADD=i > 0, ACC=acc is not None)
-        if W > 0 and gluon:
-            # Every item writes its partial; the block sum finishes every block.
-            launch(gluon_kernels._bwd_gluon_kernel, (W,),
-                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
-                   items.blk, items.start, items.end, index.blk_start, index.blk_end, Hkv, Nv, t0, scale,
-                   *_q_strides(q, G, folded), *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
-                   *dqp.stride()[:4], writes=(dqp, dkp, dvp), opaque=True, N=n, G=G, GP=consts["GP"],
-                   BT=cfg["bwd_BT"], BL=consts["BL"], D=Dk, GATED=gate is not None, num_warps=8)
-        elif W > 0:
+        if W > 0:
             # A block's only item finishes it (dk, dv or the sums); the others write partials.
-            launch(kernels._bwd_kernel, (W,),
+            # The Gluon kernel takes the Triton kernel's arguments; Inductor cannot launch it.
+            kernel, how = ((gluon_kernels._bwd_gluon_kernel, dict(opaque=True, num_warps=8)) if gluon
+                           else (kernels._bwd_kernel, _launch(cfg, "bwd")))
+            launch(kernel, (W,),
                    q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
                    items.blk, items.start, items.end, index.blk_start, index.blk_end, items.n_items,
                    dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *_q_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
                    *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
                    writes=(dqp, dkp, dvp, dk, dv) + ((dk_sum, dv_sum) if sums else ()),
-                   GATED=gate is not None, **finish, **consts, **_launch(cfg, "bwd"))
+                   GATED=gate is not None, **finish, **consts, **how)
         if B * Hkv * Nv > 0:
             # The blocks with no item or several.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
                 dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, index.blk_start, index.blk_end,
                 Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
-                DV=consts["DV"], DVP=consts["DVP"], **finish, FINISH_ALL=gluon,
-                num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
+                DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
         _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
