@@ -28,7 +28,7 @@ def _bwd_args(G: int, gated: bool, dtype=torch.bfloat16, modes=(False, False, Fa
     """Grid, positional and constexpr arguments of one launch on CPU tensors of real dtypes and
     strides (modes: SUMS, ADD, ACC)."""
     B, D, BL = 1, 128, 64
-    Hq, BT = G * Hkv, gluon_kernels.ROWS // G
+    Hq, BT = G * Hkv, gluon_kernels.BWD_ROWS // G
     q, do = torch.zeros(B, T, Hq, D, dtype=dtype), torch.zeros(B, T, Hq, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
     lse, delta, gate = (torch.zeros(B, Hq, T) for _ in range(3))
@@ -97,8 +97,9 @@ def test_gluon_backward_builds_for_sm90(G, gated, dtype, modes):
 def test_gluon_applies_only_where_written_for():
     """Not on CPU tensors, nor at other head dims or chunk shapes (the kernel's layouts are fixed)."""
     q = torch.zeros(1, 8, 4, 128, dtype=torch.bfloat16)
-    assert not gluon_kernels.applies(q, q, 32, 4, 64)
-    assert launch.launch_config(4, 128, 128, torch.bfloat16)["bwd_gluon"] == 1
+    assert not gluon_kernels.applies(q, q, 64)
+    tiles = launch.launch_config(4, 128, 128, torch.bfloat16)
+    assert tiles["fwd_gluon"] == tiles["bwd_gluon"] == 1
 
 
 def test_gluon_kernel_takes_the_triton_kernels_arguments():
@@ -109,6 +110,32 @@ def test_gluon_kernel_takes_the_triton_kernels_arguments():
         pytest.skip("needs Triton with Gluon")
     names = lambda k: list(inspect.signature(k.fn).parameters)  # noqa: E731
     assert names(gluon_kernels._bwd_gluon_kernel) == names(kernels._bwd_kernel)
+
+
+def _forward_both(G: int, T: int, dtype, range_tokens: int):
+    cfg = make_config(G, 128, 128, 16, 64)
+    q, k, v, _ = make_inputs(1, T, cfg, dtype, seed=G + T, device="cuda")
+    bi = random_selection(1, cfg.n_kv_heads, T, 16, 64, seed=G, drop=0.1).cuda()
+    return [launch.forward(q, k, v, bi, None, 128 ** -0.5, 64, {"fwd_gluon": use, "range_tokens": range_tokens})
+            for use in (1, 0)]
+
+
+@gpu
+@pytest.mark.parametrize("G, T, dtype, range_tokens, long", [
+    (4, 3000, torch.bfloat16, 0, False), (4, 3000, torch.bfloat16, 1024, True), (16, 2000, torch.bfloat16, 512, True),
+    (2, 1500, torch.float16, 0, False), (8, 4100, torch.bfloat16, 1024, False)])
+def test_gluon_forward_equals_triton(G, T, dtype, range_tokens, long, monkeypatch):
+    """o and lse with the Gluon forward equal the Triton kernel's bit for bit, with one token
+    range or several, rows with fewer blocks, and the register cap of long sequences (its
+    launches then go through the opaque op with maxnreg)."""
+    x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
+    if not gluon_kernels.applies(x, x, 64):
+        pytest.skip("the Gluon kernels run on Hopper (sm_90) only")
+    if long:
+        monkeypatch.setattr(launch, "LONG_FROM_TOKENS", 1)
+    got, want = _forward_both(G, T, dtype, range_tokens)
+    for name, a, b in zip(("o", "lse"), got, want):
+        assert torch.equal(a, b), f"{name}: largest difference {(a.float() - b.float()).abs().max().item()}"
 
 
 def _backward_both(G: int, T: int, dtype, gated: bool, with_acc: bool, range_tokens: int):
@@ -139,8 +166,8 @@ def test_gluon_backward_equals_triton(G, T, dtype, gated, with_acc, range_tokens
     """dq, dk, dv with the Gluon kernel equal the Triton kernel's bit for bit (the same dots,
     roundings and sums), with one token range or several (the fp32 sums across ranges), gated
     or not, into fresh gradients or added to given ones (acc)."""
-    if not gluon_kernels.applies(torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda"),
-                                 torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda"), 128 // G, G, 64):
+    x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
+    if not gluon_kernels.applies(x, x, 64):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
     got, want = _backward_both(G, T, dtype, gated, with_acc, range_tokens)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):

@@ -1,18 +1,21 @@
-"""The selected op's backward kernel in Gluon, for Hopper at 16-bit Dk = Dv = 128.
+"""The selected op's forward and backward kernels in Gluon, for Hopper at 16-bit Dk = Dv = 128.
 
-Same work and results as kernels._bwd_kernel (bit for bit: the same five dots with the same
-operand layouts and roundings), in another loop order of its memory traffic. Built by Triton
-3.6 for sm_90, the Triton kernel's loop waits for all of a chunk's gathered copies (its query
-and output-gradient rows, cp.async) at the top of the iteration and issues the next chunk's
-only after the chunk's dots and dQ store, so with one 8-warp program per SM nothing overlaps
-the gathers. Gluon states the schedule: chunk i+1's copies go into the other buffer before the
-program waits for chunk i's (cp.async groups, wait_group(1)); the entries, lse, delta and gate
-of later chunks are read into registers a chunk or two early; P's exp runs under dP's dot, and
-dQ's dot goes first so that its store runs under dV's and dK's.
+Same work and results as kernels._fwd_kernel and _bwd_kernel (bit for bit: the same dots with
+the same operand layouts and roundings), in another order of their memory traffic. Built by
+Triton 3.6 for sm_90, the Triton kernels' chunk loop waits for all of a chunk's gathered copies
+(its query rows, and in the backward its output-gradient rows: cp.async) at the top of the
+iteration and issues the next chunk's only after the chunk's dots and stores; with one 8-warp
+backward program per SM nothing overlaps the gathers. Gluon states the schedule: chunk i+1's
+copies go into the other buffer before the program waits for chunk i's (cp.async groups,
+wait_group(1)); the entries, lse, delta and gate of later chunks are read into registers a chunk
+or two early; in the backward P's exp runs under dP's dot, and dQ's dot goes first so that its
+store runs under dV's and dK's. Partial o / dQ rows leave through shared memory as 16-byte
+stores.
 
-A block's only item finishes the block itself (_finish_block, the Triton kernel's rule), others
-write fp32 partials for _block_sum_kernel. Gluon kernels do not run under Triton's CPU interpreter: the CPU tests build this
-one for sm_90a and interpret its Triton twin (_bwd_kernel); the GPU tests compare the two.
+The backward's epilogue keeps the Triton kernel's rule (_finish_block, written again here): a
+block's only item finishes the block itself, others write fp32 partials for _block_sum_kernel.
+Gluon kernels do not run under Triton's CPU interpreter: the CPU tests build these for sm_90a
+and interpret their Triton twins; the GPU tests compare the two bit for bit.
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ try:
 except ImportError:  # no Triton, or one without Gluon: the Triton kernel runs
     HAS_GLUON = False
 
-ROWS = 128
-"""Query rows per chunk (BT * G'), the one tile the kernel is written for."""
+BWD_ROWS = 128
+FWD_ROWS = 64
+"""Query rows per chunk (BT * G') of the backward and forward kernels, the tiles they are written for."""
 
 
-def applies(q: torch.Tensor, v: torch.Tensor, BT: int, GP: int, BL: int) -> bool:
-    """Whether the Gluon backward runs: Hopper (sm_90), 16-bit, Dk = Dv = 128, 128-row chunks, l' = 64."""
+def applies(q: torch.Tensor, v: torch.Tensor, BL: int) -> bool:
+    """Whether the Gluon kernels can run: Hopper (sm_90), 16-bit, Dk = Dv = 128, l' = 64 (the
+    callers check their chunks' rows against BWD_ROWS / FWD_ROWS)."""
     return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
-            and v.shape[-1] == 128 and BT * GP == ROWS and BL == 64 and _capability(q.device.index) == (9, 0))
+            and v.shape[-1] == 128 and BL == 64 and _capability(q.device.index) == (9, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,3 +245,103 @@ if HAS_GLUON:
         if SUMS:
             gl.store(dk_sum_ptr + k_at, dk_acc, mask=ok & waits)
             gl.store(dv_sum_ptr + v_at, dv_acc, mask=ok & waits)
+
+    @gluon.jit
+    def _fwd_gluon_kernel(
+        q_ptr, k_ptr, v_ptr, po_ptr, plse_ptr, entries_ptr,
+        item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv, T0, scale,
+        sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h,
+        N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr,
+        DK: gl.constexpr, DKP: gl.constexpr, DV: gl.constexpr, DVP: gl.constexpr,
+        F32_DOT: gl.constexpr, IEEE: gl.constexpr,
+    ):
+        """Arguments and results as kernels._fwd_kernel's (4 warps, 64-row chunks, DK = DKP = DV =
+        DVP = 128): partial o and lse (base 2) of the item's tokens, chunk i+1's query rows copied
+        while chunk i's dots run."""
+        LOG2E: gl.constexpr = 1.4426950408889634
+        M: gl.constexpr = BT * GP
+        D: gl.constexpr = DKP
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BL, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+        row_ld: gl.constexpr = gl.SliceLayout(1, ld)
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        sh_md: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], dtype)
+        sh_kd: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BL, D], dtype)
+
+        w = gl.program_id(0)
+        blk = gl.load(item_blk_ptr + w)
+        valid = blk >= 0
+        blk = gl.maximum(blk, 0)
+        vb = blk % Nv
+        bh = blk // Nv
+        b = (bh // Hkv).to(gl.int64)
+        h = bh % Hkv
+        start = gl.load(item_start_ptr + w)
+        end = gl.where(valid, gl.load(item_end_ptr + w), start)
+        ks = gl.load(blk_start_ptr + vb)
+        ke = gl.load(blk_end_ptr + vb)
+
+        q_buf = gl.allocate_shared_memory(dtype, [2, M, D], sh_md)
+        k_smem = gl.allocate_shared_memory(dtype, [BL, D], sh_kd)
+        v_smem = gl.allocate_shared_memory(dtype, [BL, D], sh_kd)
+        kr = ks + gl.arange(0, BL, layout=row_ld)
+        col = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        kv_ok = (kr < ke)[:, None]
+        k_smem.store(gl.load(k_ptr + b * sk_b + kr.to(gl.int64)[:, None] * sk_t + h * sk_h + col[None, :],
+                             mask=kv_ok, other=0.0))
+        v_smem.store(gl.load(v_ptr + b * sv_b + kr.to(gl.int64)[:, None] * sv_t + h * sv_h + col[None, :],
+                             mask=kv_ok, other=0.0))
+
+        scale2 = gl.cast(scale * LOG2E, gl.float32)
+        key = ks + gl.arange(0, BL, layout=gl.SliceLayout(0, mma_s))
+        key_ok = key < ke
+        s_zero = gl.zeros([M, BL], gl.float32, layout=mma_s)
+        o_zero = gl.zeros([M, D], gl.float32, layout=mma_o)
+
+        t, slot, g, ok = _rows(entries_ptr, start, end, N, G, GP, M, row_ld)
+        qa = b * sq_b + (T0 + t) * sq_t + h * sq_kv + g * sq_g
+        async_copy.async_copy_global_to_shared(q_buf.index(0), q_ptr + qa[:, None] + col[None, :], mask=ok[:, None])
+        async_copy.commit_group()
+        t_s, slot_s, g_s, ok_s = _rows(entries_ptr, start, end, N, G, GP, M, row_s)
+        tn, sn, gn, okn = _rows(entries_ptr, start + BT, end, N, G, GP, M, row_ld)
+        t1, s1, g1, ok1 = tn, sn, gn, okn
+        for i in range(gl.cdiv(end - start, BT)):
+            c0 = start + i * BT
+            cur = i % 2
+            gl.thread_barrier()
+            qa = b * sq_b + (T0 + tn) * sq_t + h * sq_kv + gn * sq_g
+            async_copy.async_copy_global_to_shared(q_buf.index(1 - cur), q_ptr + qa[:, None] + col[None, :],
+                                                   mask=okn[:, None])
+            async_copy.commit_group()
+            tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
+            tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
+            async_copy.wait_group(1)
+            gl.thread_barrier()
+            fence_async_shared()
+            s = warpgroup_mma(q_buf.index(cur), k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            s = s * scale2
+            vis = ok_s[:, None] & key_ok[None, :] & (key[None, :] <= (T0 + t_s)[:, None])
+            s = gl.where(vis, s, float("-inf"))
+            m = gl.max(s, axis=1)
+            m = gl.where(m == float("-inf"), 0.0, m)
+            p = gl.exp2(s - m[:, None])
+            l = gl.sum(p, axis=1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_smem, o_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            l_o = gl.convert_layout(l, gl.SliceLayout(1, mma_o))
+            o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+            lse = gl.where(l > 0, m + gl.log2(gl.where(l > 0, l, 1.0)), float("-inf"))
+            row = b * so_b + t * so_t + (h * G + g) * so_h + slot * so_n
+            gl.store(po_ptr + row[:, None] + col[None, :], gl.convert_layout(o.to(po_ptr.dtype.element_ty), ld),
+                     mask=ok[:, None])
+            gl.store(plse_ptr + b * sl_b + t_s * sl_t + (h * G + g_s) * sl_h + slot_s, lse, mask=ok_s)
+            t_s, slot_s, g_s, ok_s = tn_s, sn_s, gn_s, okn_s
+            t, slot, g, ok = t1, s1, g1, ok1
+            t1, s1, g1, ok1 = tn, sn, gn, okn
+        async_copy.wait_group(0)

@@ -20,7 +20,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "bwd_gluon")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "fwd_gluon", "bwd_gluon")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -87,9 +87,10 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     to it; that op's host time outweighs the saving below LONG_FROM_TOKENS tokens.
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
-    bwd_gluon 1: the backward runs gluon_kernels' kernel where it applies (Hopper, 16-bit,
-    Dk = Dv = 128, 128-row chunks): its gathers overlap the dots, 4.89 against 5.93 ms at T=64k, G=4
-    on an H100 (docs/decisions.md); 0: the Triton kernel everywhere.
+    fwd_gluon / bwd_gluon 1: the forward / backward runs gluon_kernels' kernel where it applies
+    (Hopper, 16-bit, Dk = Dv = 128, 64- / 128-row chunks): their gathers overlap the dots, 2.99 /
+    4.93 against 3.59 / 6.16 ms at T=64k, G=4 on an H100, bit for bit the same results
+    (docs/decisions.md); 0: the Triton kernels everywhere.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -102,7 +103,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
             "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0,
-            "bwd_maxnreg": 0, "range_tokens": 0, "bwd_gluon": 1}
+            "bwd_maxnreg": 0, "range_tokens": 0, "fwd_gluon": 1, "bwd_gluon": 1}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -168,6 +169,15 @@ def _launch(cfg: dict, pass_: str) -> dict:
     """Triton launch options of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
     return {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"],
             "maxnreg": cfg[f"{pass_}_maxnreg"]}
+
+
+def _gluon_runs(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict) -> bool:
+    """Whether the forward ("fwd") or backward ("bwd") launches its Gluon kernel: asked for
+    (cfg[pass_ + "_gluon"]), written for these inputs and chunks, and not traced by Dynamo itself
+    (Inductor cannot launch a Gluon kernel; the ops' bodies run below Dynamo)."""
+    rows = gluon_kernels.FWD_ROWS if pass_ == "fwd" else gluon_kernels.BWD_ROWS
+    return (bool(cfg[f"{pass_}_gluon"]) and cfg[f"{pass_}_BT"] * consts["GP"] == rows
+            and gluon_kernels.applies(q, v, consts["BL"]) and not torch.compiler.is_dynamo_compiling())
 
 
 def _constexprs(q: Tensor, v: Tensor, G: int, sel_block: int, n: int, BT: int) -> dict:
@@ -264,6 +274,8 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
     cfg = _tiles(q, k, v, G, tiles)
     consts = _constexprs(q, v, G, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
+    kernel, how = ((gluon_kernels._fwd_gluon_kernel, dict(opaque=True, num_warps=4, maxnreg=cfg["fwd_maxnreg"]))
+                   if _gluon_runs(cfg, "fwd", q, v, consts) else (kernels._fwd_kernel, _launch(cfg, "fwd")))
     for t0, t1 in _ranges(T, R):
         selection = _range_of(block_indices, t0, t1)
         if skip_local:
@@ -273,11 +285,11 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
         if items.blk.shape[0] > 0:
-            launch(kernels._fwd_kernel, (items.blk.shape[0],),
+            launch(kernel, (items.blk.shape[0],),
                    q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
                    index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *_q_strides(q, G, q_heads > 0),
                    *k.stride()[:3], *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], writes=(po, plse),
-                   **consts, **_launch(cfg, "fwd"))
+                   **consts, **how)
         yield po, plse, index, t0
 
 
@@ -315,9 +327,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dq, dk, dv = acc
         if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape) or not all(x.is_contiguous() for x in acc):
             raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
-    # Dynamo tracing these launches itself cannot launch a Gluon kernel (it is opaque to Inductor).
-    gluon = (bool(cfg["bwd_gluon"]) and gluon_kernels.applies(q, v, cfg["bwd_BT"], consts["GP"], consts["BL"])
-             and not torch.compiler.is_dynamo_compiling())
+    gluon = _gluon_runs(cfg, "bwd", q, v, consts)
     ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
