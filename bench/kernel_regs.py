@@ -42,16 +42,31 @@ def _ptxas_report(ptx: str, arch: str, maxnreg: int | None) -> dict:
             "spill_loads": get(r"(\d+) bytes spill loads"), "stack": get(r"(\d+) bytes stack frame")}
 
 
-class _Compiler:
+def build_sm90(fn, args, kwargs, arch: int = 90):
+    """Compile a @triton.jit or @gluon.jit function for sm_{arch}a on this machine (no GPU): the
+    compiled kernel and its resources (ptxas registers and spills, shared memory bytes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    source = (GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource)(fn, signature, constexprs, attrs)
+    kernel = compile(source, target=target, options=options.__dict__)
+    return kernel, {**_ptxas_report(kernel.asm["ptx"], f"sm_{arch}a", kwargs.get("maxnreg")),
+                    "shared_bytes": kernel.metadata.shared}
+
+
+class Compiler:
     """Stands in for torch.library.wrap_triton: kernel[grid](*args, **kwargs) compiles for the
     target and records the kernel's resources, as a GPU launch would have set them."""
 
     def __init__(self, arch: int = 90):
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-
-        self.target = GPUTarget("cuda", arch, 32)
-        self.backend = make_backend(self.target)
+        self.arch = arch
         self.rows: list[dict] = []
 
     def __call__(self, fn):
@@ -64,9 +79,6 @@ class _Compiler:
         return _Launch()
 
     def compile(self, fn, grid, args, kwargs):
-        from triton.compiler import ASTSource, compile
-        from triton.runtime.jit import create_function_from_signature
-
         # As on the GPU: tensor-core dots (the CPU path asks the interpreter's fp32 dots) and PDL.
         if "F32_DOT" in kwargs:
             kwargs["F32_DOT"] = False
@@ -75,14 +87,9 @@ class _Compiler:
         # As capped_launch.launch: maxnreg 0 means no cap.
         if not kwargs.get("maxnreg"):
             kwargs.pop("maxnreg", None)
-        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
-        bound, spec, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, spec, options)
-        kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=self.target, options=options.__dict__)
-        row = {"kernel": KERNELS.get(fn.__name__, fn.__name__), "grid": list(grid),
-               "num_warps": options.num_warps, "shared_bytes": kernel.metadata.shared,
-               **_ptxas_report(kernel.asm["ptx"], f"sm_{self.target.arch}a", kwargs.get("maxnreg"))}
-        self.rows.append(row)
+        kernel, resources = build_sm90(fn, args, kwargs, self.arch)
+        self.rows.append({"kernel": KERNELS.get(fn.__name__, fn.__name__), "grid": list(grid),
+                          "num_warps": kernel.metadata.num_warps, **resources})
 
 
 def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: bool = False) -> list[dict]:
@@ -105,7 +112,7 @@ def step_resources(B: int, T: int, tiles: dict[str, int] | None = None, trace: b
     G = n.group_size
     q, g, scale = prepare_inputs(pr.q.reshape(B, n.n_kv_heads, G, n.head_dim), k, v, k_win, v_win, k_cmp, v_cmp,
                            cache.lengths, gates.reshape(B, n.n_kv_heads, G, 3), n, None)
-    comp = _Compiler()
+    comp = Compiler()
     saved = dt.wrap_triton, cs.wrap_triton
     dt.wrap_triton = cs.wrap_triton = comp
     try:
@@ -131,7 +138,7 @@ def selected_resources(G: int, Dk: int, Dv: int, dtype: torch.dtype) -> list[dic
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=Dk, head_dim_v=Dv)
     q, do, o = (torch.randn(1, T, G * Hkv, d, dtype=dtype) for d in (Dk, Dv, Dv))
     k, v = torch.randn(1, T, Hkv, Dk, dtype=dtype), torch.randn(1, T, Hkv, Dv, dtype=dtype)
-    comp = _Compiler()
+    comp = Compiler()
     # Traced launches (wrap_triton) and launches through capped_launch.launch alike compile here.
     saved = launch.wrap_triton, launch.launch
     launch.wrap_triton = comp

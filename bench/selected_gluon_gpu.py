@@ -54,13 +54,21 @@ def capture(B: int, T: int, Hq: int, Hkv: int, D: int, device: str, gated: bool)
 
     launch.launch = grab
     try:
-        o, lse = launch.forward(q, k, v, selection, None, D ** -0.5, cfg.sel_block, tiles)
-        delta = torch.randn(B, Hq, T, device=device, generator=gen) if gated else None
-        launch.backward(do, q, k, v, o, lse, selection, None, D ** -0.5, cfg.sel_block, tiles, gate=gate,
-                        delta=delta)
-    except Exception:
-        if device == "cuda":
-            raise  # on CPU (the build) only the launches' arguments are needed
+        # On CPU (the build) only the launches' arguments are needed: each pass stops after its
+        # kernel's launch (the next launch, traced, needs a GPU or the interpreter).
+        for run_pass in ("forward", "backward"):
+            try:
+                if run_pass == "forward":
+                    o, lse = launch.forward(q, k, v, selection, None, D ** -0.5, cfg.sel_block, tiles)
+                else:
+                    if device == "cpu":
+                        o, lse = rnd(B, T, Hq, D), torch.rand(B, Hq, T, device=device, generator=gen)
+                    delta = torch.randn(B, Hq, T, device=device, generator=gen) if gated or device == "cpu" else None
+                    launch.backward(do, q, k, v, o, lse, selection, None, D ** -0.5, cfg.sel_block, tiles, gate=gate,
+                                    delta=delta)
+            except Exception:
+                if device == "cuda":
+                    raise
     finally:
         launch.launch = saved
     return calls
@@ -122,38 +130,20 @@ def compare(shape: str, gated: bool) -> list[dict]:
 def compile_sm90() -> None:
     """Build both Gluon kernels for sm_90a without a GPU from a CPU capture's arguments; print
     registers, spills and shared memory."""
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
+    from bench.common import parse_shape
+    from bench.kernel_regs import Compiler
 
-    from bench.kernel_regs import _Compiler, _ptxas_report
-
-    class _GluonCompiler(_Compiler):
-        def compile(self, fn, grid, args, kwargs):
-            binder = create_function_from_signature(fn.signature, fn.params, self.backend)
-            bound, spec, options = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, spec, options)
-            kernel = triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=self.target,
-                                    options=options.__dict__)
-            print({"kernel": fn.__name__, **_ptxas_report(kernel.asm["ptx"], "sm_90a", kwargs.get("maxnreg")),
-                   "shared_bytes": kernel.metadata.shared}, flush=True)
-
-    comp = _GluonCompiler()
+    comp = Compiler()
     for shape in ("1:65536:16:4:128", "1:2048:64:4:128"):
-        from bench.common import parse_shape
-
         B, T, Hq, Hkv, D = parse_shape(shape)
-        T = min(T, 2048)
         seen = set()
-        for name, grid, args, kw in capture(B, T, Hq, Hkv, D, "cpu", gated=False):
+        for name, grid, args, kw in capture(B, min(T, 2048), Hq, Hkv, D, "cpu", gated=False):
             if name in seen:
                 continue
             seen.add(name)
-            kw = {k: v for k, v in kw.items() if k != "num_stages" and (v or k != "maxnreg")}
-            kw["F32_DOT"] = False
-            if name == "_fwd_kernel":
-                kw["maxnreg"] = 168
+            kw = {k: v for k, v in kw.items() if k != "num_stages"}
             comp(getattr(gluon_kernels, TWINS[name]))[grid](*args, **kw)
+            print({"shape": shape, **comp.rows[-1]}, flush=True)
 
 
 def main() -> None:

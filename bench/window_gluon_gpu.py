@@ -152,25 +152,13 @@ def window_fwd_ws(q_fold, k, v, G, W, scale, BM=64, BN=64, NB=2, maxnreg=128, la
 
 def compile_sm90(T: int = 1024, G: int = 4, Hkv: int = 2, D: int = 128) -> None:
     """Build the kernel for sm_90a without a GPU and print its registers and shared memory."""
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    from bench.kernel_regs import _Compiler, _ptxas_report
-
-    class _GluonCompiler(_Compiler):
-        def compile(self, fn, grid, args, kwargs):
-            binder = create_function_from_signature(fn.signature, fn.params, self.backend)
-            bound, spec, options = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, spec, options)
-            kernel = triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=self.target,
-                                    options=options.__dict__)
-            print({**_ptxas_report(kernel.asm["ptx"], "sm_90a", kwargs.get("maxnreg")),
-                   "shared_bytes": kernel.metadata.shared})
+    from bench.kernel_regs import Compiler
 
     q = torch.randn(1, Hkv, T * G, D, dtype=torch.bfloat16)
     k = torch.randn(1, T, Hkv, D, dtype=torch.bfloat16)
-    window_fwd_ws(q, k, k.clone(), G, 512, D ** -0.5, launch=_GluonCompiler())
+    comp = Compiler()
+    window_fwd_ws(q, k, k.clone(), G, 512, D ** -0.5, launch=comp)
+    print(comp.rows[-1])
 
 
 VARIANTS = ((64, 64, 2, 128, False), (64, 64, 2, 128, True), (64, 64, 3, 128, True), (64, 64, 2, 112, True),

@@ -120,11 +120,11 @@ def _kernel_row(shape, spec, q_fold, k, v, G, w, scale, grad, ref) -> dict:
 def _fa2_row(shape, x, Hkv, w, scale, grad_fold, ref, deterministic: bool) -> dict:
     """torch's FlashAttention-2 with the window on unfolded q [B, T, Hq, D], GQA k / v: times and
     differences (folded like the op's) from ref; whether two backward calls gave the same bits."""
-    from nsa_flex.folded import fold
+    from nsa_flex.folded import fold, unfold
 
     q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     T = q.shape[1]
-    grad = grad_fold.view(q.shape[0], Hkv, T, -1, grad_fold.shape[-1]).transpose(1, 2).reshape(q.shape[:3] + grad_fold.shape[-1:])
+    grad = unfold(grad_fold, T)
 
     def call():
         return torch.ops.aten._flash_attention_forward(q, k, v, None, None, T, T, 0.0, True, False, scale=scale,

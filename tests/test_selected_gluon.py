@@ -1,9 +1,9 @@
-"""The selected op's Gluon backward kernel (nsa_flex/ops/selected_attention/gluon_kernels.py).
+"""The selected op's Gluon kernels (nsa_flex/ops/selected_attention/gluon_kernels.py).
 
-Gluon kernels do not run under Triton's CPU interpreter. On CPU: the kernel builds for sm_90a
-(Triton ships ptxas) within Hopper's registers and shared memory, and it takes the Triton
-kernel's arguments (the backward launches either from one argument list; the Triton kernel's
-interpreted tests are in test_selected_attention.py). On the GPU (marked gpu): the backward
+Gluon kernels do not run under Triton's CPU interpreter. On CPU: each kernel builds for sm_90a
+(Triton ships ptxas) within Hopper's registers and shared memory, and takes its Triton twin's
+arguments (the op launches either from one argument list; the twins' interpreted tests are in
+test_selected_attention.py). On the GPU (marked gpu): the backward
 with the Gluon kernel equals the one with the Triton kernel bit for bit, in every mode of the
 block sums, and the selected op's fp64-oracle tests run through it on an H100.
 """
@@ -49,35 +49,35 @@ def _bwd_args(G: int, gated: bool, dtype=torch.bfloat16, modes=(False, False, Fa
                             SUMS=sums, ADD=add, ACC=acc, GATED=gated, num_warps=8)
 
 
-def _build_sm90(grid, args, kwargs) -> dict:
-    """Compile the Gluon kernel for sm_90a (no GPU) and read its resources from ptxas."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
+def _fwd_args(G: int, dtype=torch.bfloat16, capped: bool = True, T: int = 256, Hkv: int = 2, n: int = 16):
+    """Grid, positional and constexpr arguments of one forward launch on CPU tensors."""
+    B, D, BL = 1, 128, 64
+    Hq, BT = G * Hkv, gluon_kernels.FWD_ROWS // G
+    q = torch.zeros(B, T, Hq, D, dtype=dtype)
+    k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
+    po, plse = torch.zeros(B, T, Hq, n, D, dtype=dtype), torch.zeros(B, T, Hq, n)
+    W, Nv = 8, T // BL
+    entries = torch.zeros(T * n, dtype=torch.int32)
+    items = [torch.zeros(W, dtype=torch.int32) for _ in range(3)]
+    bounds = [torch.zeros(Nv, dtype=torch.int32) for _ in range(2)]
+    args = (q, k, v, po, plse, entries, *items, *bounds, Hkv, Nv, 0, D ** -0.5, q.stride(0), q.stride(1),
+            G * q.stride(2), q.stride(2), *k.stride()[:3], *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3])
+    return (W,), args, dict(N=n, G=G, GP=G, BT=BT, BL=BL, DK=D, DKP=D, DV=D, DVP=D, F32_DOT=False, IEEE=False,
+                            num_warps=4, **({"maxnreg": 168} if capped else {}))
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import compile as triton_compile
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
 
-    fn = gluon_kernels._bwd_gluon_kernel
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    kernel = triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
-                            options=options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(kernel.asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True, check=True).stderr
-    count = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0  # noqa: E731
-    return {"registers": count(r"Used (\d+) registers"), "spill_stores": count(r"(\d+) bytes spill stores"),
-            "shared": kernel.metadata.shared}
+@needs_gluon
+@pytest.mark.parametrize("G, capped", [(4, True), (16, False)])
+def test_gluon_forward_builds_for_sm90(G, capped):
+    """The forward compiles for Hopper within its register cap (168: three programs per SM, as the
+    Triton forward from 32k tokens on) with no spill, in ~68 KB of shared memory."""
+    from bench.kernel_regs import build_sm90
+
+    grid, args, kwargs = _fwd_args(G, capped=capped)
+    got = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
+    assert got["spill_stores"] == 0, got
+    assert got["registers"] <= (168 if capped else 255), got
+    assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 3, got
 
 
 @needs_gluon
@@ -88,9 +88,12 @@ def test_gluon_backward_builds_for_sm90(G, gated, dtype, modes):
     """It compiles for Hopper within one program's shared memory, spilling a few words at most (4
     bytes at G=4, 24 at G=16 as built when timed; 255 registers and ~200 KB: one 8-warp program per
     SM, as the Triton kernel; its earlier forms that spilled 80-96 bytes were slower)."""
-    got = _build_sm90(*_bwd_args(G, gated, dtype, modes))
+    from bench.kernel_regs import build_sm90
+
+    grid, args, kwargs = _bwd_args(G, gated, dtype, modes)
+    got = build_sm90(gluon_kernels._bwd_gluon_kernel, args, kwargs)[1]
     assert got["spill_stores"] <= 32, got
-    assert 0 < got["shared"] <= SM90_SHARED_BYTES, got
+    assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES, got
     assert got["registers"] <= 255, got
 
 
@@ -102,14 +105,15 @@ def test_gluon_applies_only_where_written_for():
     assert tiles["fwd_gluon"] == tiles["bwd_gluon"] == 1
 
 
-def test_gluon_kernel_takes_the_triton_kernels_arguments():
-    """The backward launches either kernel from one argument list: same names, same order."""
+@pytest.mark.parametrize("gluon, triton", [("_fwd_gluon_kernel", "_fwd_kernel"), ("_bwd_gluon_kernel", "_bwd_kernel")])
+def test_gluon_kernels_take_the_triton_kernels_arguments(gluon, triton):
+    """The forward and the backward launch either kernel from one argument list: same names, same order."""
     import inspect
 
-    if not (gluon_kernels.HAS_GLUON and hasattr(kernels, "_bwd_kernel")):
+    if not (gluon_kernels.HAS_GLUON and hasattr(kernels, triton)):
         pytest.skip("needs Triton with Gluon")
     names = lambda k: list(inspect.signature(k.fn).parameters)  # noqa: E731
-    assert names(gluon_kernels._bwd_gluon_kernel) == names(kernels._bwd_kernel)
+    assert names(getattr(gluon_kernels, gluon)) == names(getattr(kernels, triton))
 
 
 def _forward_both(G: int, T: int, dtype, range_tokens: int):

@@ -54,6 +54,31 @@ def _capability(index: int | None) -> tuple[int, int]:
 if HAS_GLUON:
 
     @gluon.jit
+    def _item(w, item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, Hkv, Nv):
+        """(valid, block row, b, kv head h, first entry, end entry, first key, end key) of work item w."""
+        blk = gl.load(item_blk_ptr + w)
+        valid = blk >= 0
+        blk = gl.maximum(blk, 0)
+        vb = blk % Nv
+        bh = blk // Nv
+        start = gl.load(item_start_ptr + w)
+        end = gl.where(valid, gl.load(item_end_ptr + w), start)
+        return valid, blk, (bh // Hkv).to(gl.int64), bh % Hkv, start, end, gl.load(blk_start_ptr + vb), \
+            gl.load(blk_end_ptr + vb)
+
+    @gluon.jit
+    def _block_to_shared(ptr, smem, b, h, kr, ke, s_b, s_t, s_h, col):
+        """Keys kr [BL] of kv head h into smem [BL, D] (zero rows at and past ke)."""
+        smem.store(gl.load(ptr + b * s_b + kr.to(gl.int64)[:, None] * s_t + h * s_h + col[None, :],
+                           mask=(kr < ke)[:, None], other=0.0))
+
+    @gluon.jit
+    def _copy_q_rows(dst, q_ptr, b, h, t, g, ok, T0, sq_b, sq_t, sq_kv, sq_g, col, G: gl.constexpr):
+        """Start the copy of query rows (token T0 + t, head h * G + g; zeros where not ok) into dst."""
+        qa = b * sq_b + (T0 + t) * sq_t + h * sq_kv + g * sq_g
+        async_copy.async_copy_global_to_shared(dst, q_ptr + qa[:, None] + col[None, :], mask=ok[:, None])
+
+    @gluon.jit
     def _rows(entries_ptr, c0, end, N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, M: gl.constexpr,
               layout: gl.constexpr):
         """(token t, slot, group member g, row ok) of the M rows of the chunk at entry c0, in layout:
@@ -98,17 +123,8 @@ if HAS_GLUON:
         sh_ml: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, BL], dtype)
 
         w = gl.program_id(0)
-        blk = gl.load(item_blk_ptr + w)
-        valid = blk >= 0
-        blk = gl.maximum(blk, 0)
-        vb = blk % Nv
-        bh = blk // Nv
-        b = (bh // Hkv).to(gl.int64)
-        h = bh % Hkv
-        start = gl.load(item_start_ptr + w)
-        end = gl.where(valid, gl.load(item_end_ptr + w), start)
-        ks = gl.load(blk_start_ptr + vb)
-        ke = gl.load(blk_end_ptr + vb)
+        valid, blk, b, h, start, end, ks, ke = _item(w, item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
+                                                     blk_end_ptr, Hkv, Nv)
 
         q_buf = gl.allocate_shared_memory(dtype, [2, M, D], sh_md)
         do_buf = gl.allocate_shared_memory(dtype, [2, M, D], sh_md)
@@ -120,11 +136,8 @@ if HAS_GLUON:
         # The key block, once (zero rows past its end).
         kr = ks + gl.arange(0, BL, layout=row_ld)
         col = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        kv_ok = (kr < ke)[:, None]
-        k_smem.store(gl.load(k_ptr + b * sk_b + kr.to(gl.int64)[:, None] * sk_t + h * sk_h + col[None, :],
-                             mask=kv_ok, other=0.0))
-        v_smem.store(gl.load(v_ptr + b * sv_b + kr.to(gl.int64)[:, None] * sv_t + h * sv_h + col[None, :],
-                             mask=kv_ok, other=0.0))
+        _block_to_shared(k_ptr, k_smem, b, h, kr, ke, sk_b, sk_t, sk_h, col)
+        _block_to_shared(v_ptr, v_smem, b, h, kr, ke, sv_b, sv_t, sv_h, col)
 
         # Inductor may pass the float as fp64; keep the tiles fp32.
         sc = gl.cast(scale, gl.float32)
@@ -138,9 +151,8 @@ if HAS_GLUON:
 
         # Chunk 0's copies; its scores' row data; the gather rows of chunks 0 and 1.
         t, slot, g, ok = _rows(entries_ptr, start, end, N, G, GP, M, row_ld)
-        qa = b * sq_b + (T0 + t) * sq_t + h * sq_kv + g * sq_g
         da = b * sdo_b + (T0 + t) * sdo_t + (h * G + g) * sdo_h
-        async_copy.async_copy_global_to_shared(q_buf.index(0), q_ptr + qa[:, None] + col[None, :], mask=ok[:, None])
+        _copy_q_rows(q_buf.index(0), q_ptr, b, h, t, g, ok, T0, sq_b, sq_t, sq_kv, sq_g, col, G)
         async_copy.async_copy_global_to_shared(do_buf.index(0), do_ptr + da[:, None] + col[None, :],
                                                mask=ok[:, None])
         async_copy.commit_group()
@@ -157,10 +169,8 @@ if HAS_GLUON:
             # Every warp is past chunk i-1's dots, which read the other buffers: refill them
             # with chunk i+1 (rows all masked past the item's end).
             gl.thread_barrier()
-            qa = b * sq_b + (T0 + tn) * sq_t + h * sq_kv + gn * sq_g
             da = b * sdo_b + (T0 + tn) * sdo_t + (h * G + gn) * sdo_h
-            async_copy.async_copy_global_to_shared(q_buf.index(1 - cur), q_ptr + qa[:, None] + col[None, :],
-                                                   mask=okn[:, None])
+            _copy_q_rows(q_buf.index(1 - cur), q_ptr, b, h, tn, gn, okn, T0, sq_b, sq_t, sq_kv, sq_g, col, G)
             async_copy.async_copy_global_to_shared(do_buf.index(1 - cur), do_ptr + da[:, None] + col[None, :],
                                                    mask=okn[:, None])
             async_copy.commit_group()
@@ -274,28 +284,16 @@ if HAS_GLUON:
         sh_kd: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BL, D], dtype)
 
         w = gl.program_id(0)
-        blk = gl.load(item_blk_ptr + w)
-        valid = blk >= 0
-        blk = gl.maximum(blk, 0)
-        vb = blk % Nv
-        bh = blk // Nv
-        b = (bh // Hkv).to(gl.int64)
-        h = bh % Hkv
-        start = gl.load(item_start_ptr + w)
-        end = gl.where(valid, gl.load(item_end_ptr + w), start)
-        ks = gl.load(blk_start_ptr + vb)
-        ke = gl.load(blk_end_ptr + vb)
+        valid, blk, b, h, start, end, ks, ke = _item(w, item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr,
+                                                     blk_end_ptr, Hkv, Nv)
 
         q_buf = gl.allocate_shared_memory(dtype, [2, M, D], sh_md)
         k_smem = gl.allocate_shared_memory(dtype, [BL, D], sh_kd)
         v_smem = gl.allocate_shared_memory(dtype, [BL, D], sh_kd)
         kr = ks + gl.arange(0, BL, layout=row_ld)
         col = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        kv_ok = (kr < ke)[:, None]
-        k_smem.store(gl.load(k_ptr + b * sk_b + kr.to(gl.int64)[:, None] * sk_t + h * sk_h + col[None, :],
-                             mask=kv_ok, other=0.0))
-        v_smem.store(gl.load(v_ptr + b * sv_b + kr.to(gl.int64)[:, None] * sv_t + h * sv_h + col[None, :],
-                             mask=kv_ok, other=0.0))
+        _block_to_shared(k_ptr, k_smem, b, h, kr, ke, sk_b, sk_t, sk_h, col)
+        _block_to_shared(v_ptr, v_smem, b, h, kr, ke, sv_b, sv_t, sv_h, col)
 
         scale2 = gl.cast(scale * LOG2E, gl.float32)
         key = ks + gl.arange(0, BL, layout=gl.SliceLayout(0, mma_s))
@@ -304,8 +302,7 @@ if HAS_GLUON:
         o_zero = gl.zeros([M, D], gl.float32, layout=mma_o)
 
         t, slot, g, ok = _rows(entries_ptr, start, end, N, G, GP, M, row_ld)
-        qa = b * sq_b + (T0 + t) * sq_t + h * sq_kv + g * sq_g
-        async_copy.async_copy_global_to_shared(q_buf.index(0), q_ptr + qa[:, None] + col[None, :], mask=ok[:, None])
+        _copy_q_rows(q_buf.index(0), q_ptr, b, h, t, g, ok, T0, sq_b, sq_t, sq_kv, sq_g, col, G)
         async_copy.commit_group()
         t_s, slot_s, g_s, ok_s = _rows(entries_ptr, start, end, N, G, GP, M, row_s)
         tn, sn, gn, okn = _rows(entries_ptr, start + BT, end, N, G, GP, M, row_ld)
@@ -314,9 +311,7 @@ if HAS_GLUON:
             c0 = start + i * BT
             cur = i % 2
             gl.thread_barrier()
-            qa = b * sq_b + (T0 + tn) * sq_t + h * sq_kv + gn * sq_g
-            async_copy.async_copy_global_to_shared(q_buf.index(1 - cur), q_ptr + qa[:, None] + col[None, :],
-                                                   mask=okn[:, None])
+            _copy_q_rows(q_buf.index(1 - cur), q_ptr, b, h, tn, gn, okn, T0, sq_b, sq_t, sq_kv, sq_g, col, G)
             async_copy.commit_group()
             tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
             tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)

@@ -88,7 +88,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     fwd_gluon / bwd_gluon 1: the forward / backward runs gluon_kernels' kernel where it applies
-    (Hopper, 16-bit, Dk = Dv = 128, 64- / 128-row chunks): their gathers overlap the dots, 2.99 /
+    (Hopper, 16-bit, Dk = Dv = 128, 64- / 128-row chunks, G a power of two): their gathers overlap the dots, 2.99 /
     4.93 against 3.59 / 6.16 ms at T=64k, G=4 on an H100, bit for bit the same results
     (docs/decisions.md); 0: the Triton kernels everywhere.
     """
@@ -173,10 +173,11 @@ def _launch(cfg: dict, pass_: str) -> dict:
 
 def _gluon_runs(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict) -> bool:
     """Whether the forward ("fwd") or backward ("bwd") launches its Gluon kernel: asked for
-    (cfg[pass_ + "_gluon"]), written for these inputs and chunks, and not traced by Dynamo itself
-    (Inductor cannot launch a Gluon kernel; the ops' bodies run below Dynamo)."""
+    (cfg[pass_ + "_gluon"]), written for these inputs and chunks, G a power of two (the groups the
+    GPU tests compared with the Triton kernels; padded groups keep those), and not traced by
+    Dynamo itself (Inductor cannot launch a Gluon kernel; the ops' bodies run below Dynamo)."""
     rows = gluon_kernels.FWD_ROWS if pass_ == "fwd" else gluon_kernels.BWD_ROWS
-    return (bool(cfg[f"{pass_}_gluon"]) and cfg[f"{pass_}_BT"] * consts["GP"] == rows
+    return (bool(cfg[f"{pass_}_gluon"]) and cfg[f"{pass_}_BT"] * consts["GP"] == rows and consts["GP"] == consts["G"]
             and gluon_kernels.applies(q, v, consts["BL"]) and not torch.compiler.is_dynamo_compiling())
 
 
