@@ -181,6 +181,17 @@ def _gluon_runs(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict) -> bo
             and gluon_kernels.applies(q, v, consts["BL"]) and not torch.compiler.is_dynamo_compiling())
 
 
+def _pass_kernel(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict):
+    """(kernel, launch options) of the forward ("fwd") or backward ("bwd") pass. Where _gluon_runs,
+    the Gluon kernel (its layouts are written for 4 / 8 warps; it takes the Triton kernel's
+    arguments) through the opaque op, which Inductor cannot replace; else the Triton kernel."""
+    fwd = pass_ == "fwd"
+    if _gluon_runs(cfg, pass_, q, v, consts):
+        kernel = gluon_kernels._fwd_gluon_kernel if fwd else gluon_kernels._bwd_gluon_kernel
+        return kernel, dict(opaque=True, num_warps=4 if fwd else 8, maxnreg=cfg[f"{pass_}_maxnreg"])
+    return (kernels._fwd_kernel if fwd else kernels._bwd_kernel), _launch(cfg, pass_)
+
+
 def _constexprs(q: Tensor, v: Tensor, G: int, sel_block: int, n: int, BT: int) -> dict:
     Dk, Dv = q.shape[-1], v.shape[-1]
     return dict(N=n, G=G, GP=next_pow2(G), BT=BT, BL=max(16, next_pow2(sel_block)), DK=Dk, DKP=max(16, next_pow2(Dk)),
@@ -275,8 +286,7 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
     cfg = _tiles(q, k, v, G, tiles)
     consts = _constexprs(q, v, G, sel_block, n, cfg["fwd_BT"])
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
-    kernel, how = ((gluon_kernels._fwd_gluon_kernel, dict(opaque=True, num_warps=4, maxnreg=cfg["fwd_maxnreg"]))
-                   if _gluon_runs(cfg, "fwd", q, v, consts) else (kernels._fwd_kernel, _launch(cfg, "fwd")))
+    kernel, how = _pass_kernel(cfg, "fwd", q, v, consts)
     for t0, t1 in _ranges(T, R):
         selection = _range_of(block_indices, t0, t1)
         if skip_local:
@@ -328,7 +338,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dq, dk, dv = acc
         if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape) or not all(x.is_contiguous() for x in acc):
             raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
-    gluon = _gluon_runs(cfg, "bwd", q, v, consts)
+    kernel, how = _pass_kernel(cfg, "bwd", q, v, consts)
     ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
@@ -352,9 +362,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         finish = dict(SUMS=sums, ADD=i > 0, ACC=acc is not None)
         if W > 0:
             # A block's only item finishes it (dk, dv or the sums); the others write partials.
-            # The Gluon kernel takes the Triton kernel's arguments; Inductor cannot launch it.
-            kernel, how = ((gluon_kernels._bwd_gluon_kernel, dict(opaque=True, num_warps=8)) if gluon
-                           else (kernels._bwd_kernel, _launch(cfg, "bwd")))
             launch(kernel, (W,),
                    q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
                    items.blk, items.start, items.end, index.blk_start, index.blk_end, items.n_items,
