@@ -15,12 +15,11 @@ import torch
 
 from nsa_flex.ops.selected_attention import gluon_kernels, kernels, launch
 
+from sm90_builds import SM90_SHARED_BYTES, build
 from test_selected_attention import make_config, make_inputs, random_selection
 
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 needs_gluon = pytest.mark.skipif(not gluon_kernels.HAS_GLUON, reason="needs Triton with Gluon")
-
-SM90_SHARED_BYTES = 232448  # the most shared memory a program may take on sm_90
 
 
 def _bwd_args(G: int, gated: bool, dtype=torch.bfloat16, modes=(False, False, False), T: int = 256, Hkv: int = 2,
@@ -71,8 +70,7 @@ BWD_BUILDS = [(4, False, "bfloat16", (False, False, False)), (4, True, "bfloat16
               (16, False, "float16", (True, False, False))]
 
 _BUILD = """
-import json, sys, torch
-sys.path[:0] = sys.argv[1:3]
+import json, torch
 from bench.kernel_regs import build_sm90
 from nsa_flex.ops.selected_attention import gluon_kernels
 from test_selected_gluon import BWD_BUILDS, FWD_BUILDS, _bwd_args, _fwd_args
@@ -89,20 +87,8 @@ print(json.dumps(got))
 
 @pytest.fixture(scope="module")
 def sm90_builds() -> dict:
-    """Every case's resources, built for sm_90a in one process without Triton's interpreter: under
-    TRITON_INTERPRET=1 Triton's own @jit helpers (the combine functions of Gluon's reductions)
-    are interpreted functions, which the compiler refuses."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    out = subprocess.run([sys.executable, "-c", _BUILD, str(tests), str(tests.parent)], capture_output=True,
-                         text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    """Every case's resources, built for sm_90a in one subprocess (tests/sm90_builds.py)."""
+    return build(_BUILD)
 
 
 @needs_gluon
