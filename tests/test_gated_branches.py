@@ -132,6 +132,16 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.nsa_flex.gated_branches.default, args)
 
 
+@interpreter
+def test_fake_outputs_match_the_kernels_interpreted():
+    """The kernel path's outputs, the saved inverse index among them, have the shapes and dtypes its
+    fake implementation states (what torch.compile traces with)."""
+    cfg, x, bi, head, _ = make_case(1, 70, 1, 2, 64, 32, 64, 4)
+    args = (x["q"], x["k"], x["v"], bi, x["cmp_rows"], head, x["gates"], 2, cfg.window, cfg.sel_block, 0.125,
+            "triton")
+    torch.library.opcheck(torch.ops.nsa_flex.gated_branches.default, args, test_utils=("test_faketensor", ))
+
+
 def test_errors_say_what_is_allowed():
     cfg, x, bi, head, _ = make_case(1, 70, 1, 2, 16, 32, 64, 4)
     args = (x["q"], x["k"], x["v"], bi, cfg, x["cmp_rows"], head, x["gates"])

@@ -56,7 +56,8 @@ def test_estimate_scaling():
 
 
 def test_block_centric_selected_branch_counts_its_buffers():
-    """At G <= 8 the selected branch is block-centric: no BlockMask lists, a workspace of n bf16
+    """At G <= 8 the selected branch is block-centric: no BlockMask lists (the selection and the
+    saved inverse index instead), a workspace of n bf16
     partials per (token, query head) of one token range: linear in T up to the range, then flat
     (PARTIAL_BYTES); the Flex path and dense attention have none."""
     from nsa_flex.ops.selected_attention.launch import PARTIAL_BYTES
@@ -66,7 +67,8 @@ def test_block_centric_selected_branch_counts_its_buffers():
     block = estimate(big, batch_size=1, seq_len=T)
     flex = estimate(big, batch_size=1, seq_len=T, sel_impl="flex")
     assert flex.workspace == 0 and estimate(big.replace(attention="dense"), batch_size=1, seq_len=T).workspace == 0
-    assert block.masks == big.n_layers * 4 * big.nsa.n_kv_heads * T * n < flex.masks
+    # The selection and, from the gated node, the inverse index its backward reuses (int32 each).
+    assert block.masks == big.n_layers * 12 * big.nsa.n_kv_heads * T * n < flex.masks
     # The backward's dQ partials (bf16, n per token and query head) bound it from below.
     assert block.workspace >= 2 * T * Hq * n * big.nsa.head_dim
     assert estimate(big, batch_size=1, seq_len=2 * T).workspace == pytest.approx(2 * block.workspace, rel=0.02)

@@ -307,7 +307,8 @@ def run_folded(q, k, v, do, bi, cfg, impl, pad_rows=0):
     return o.detach(), unfold(dq[:, :, :rows], T), dk, dv, dq[:, :, rows:]
 
 
-FOLDED_CASES = pytest.mark.parametrize("G, pad_rows", [(2, 0), (3, 9), (4, 64)], ids=["G2", "G3-pad", "G4-pad"])
+FOLDED_CASES = pytest.mark.parametrize("G, pad_rows", [(2, 0), (3, 9), (4, 64), (4, 6)],
+                                       ids=["G2", "G3-pad", "G4-pad", "G4-pad-part-token"])
 
 
 @FOLDED_CASES
@@ -469,6 +470,46 @@ def test_kernels_interpreted_token_ranges_with_later_blocks(poisoned):
     assert (bi[..., -1] > torch.arange(T) // 16).sum() > 20
     got = run_kernels(q, k, v, do, bi, cfg, tiles=dict(range_tokens=40, bwd_chunks=2))
     check(got, q, k, v, do, bi, cfg)
+
+
+@interpreter
+@pytest.mark.parametrize("R, skip_local, folded", [(40, False, False), (130, True, False), (50, True, True)],
+                         ids=["4-ranges", "one-range-without-local", "3-ranges-folded-without-local"])
+def test_backward_from_the_saved_index_equals_rebuilding_it(R, skip_local, folded, poisoned):
+    """backward(index=) with forward(keep_index=True)'s SavedIndex gives bit for bit what building
+    the index again gives (the same index, range by range; only the work items are built), and the
+    SavedIndex has the shapes saved_index_shapes states (the gated node's fake outputs)."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    T, scale = 130, 32 ** -0.5
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=R)
+    bi = random_selection(1, 2, T, 4, 16, seed=R)
+    tiles = dict(range_tokens=R, bwd_chunks=2)
+    q_heads = cfg.n_heads if folded else 0
+    if folded:
+        q = fold(q, cfg.n_kv_heads, rows=T * 2 + 3)
+    o, lse, index = launch.forward(q, k, v, bi, None, scale, 16, tiles, q_heads, keep_index=True)
+    assert index.counts.shape[0] == len(launch._ranges(T, R))
+    if R >= T:
+        shapes = launch.saved_index_shapes(1, T, 2, 4, 16, q, k, v, q_heads)
+        assert [tuple(x.shape) for x in index] == list(shapes)
+    got = launch.backward(do, q, k, v, o, lse, bi, None, scale, 16, tiles, q_heads, skip_local=skip_local,
+                          index=index if not skip_local else launch.forward(
+                              q, k, v, launch.without_local(bi, 16, 0), None, scale, 16, tiles, q_heads,
+                              keep_index=True)[2])
+    want = launch.backward(do, q, k, v, o, lse, bi, None, scale, 16, tiles, q_heads, skip_local=skip_local)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_backward_refuses_a_saved_index_of_other_ranges():
+    cfg = make_config(2, 32, 24, 4, 16)
+    q, k, v, do = make_inputs(1, 130, cfg, torch.float32)
+    index = launch.SavedIndex(*(torch.zeros(1, dtype=torch.int32) for _ in range(2)),
+                              torch.zeros(1, 9, dtype=torch.int32), torch.zeros(1, 9, dtype=torch.int32),
+                              *(torch.zeros(9, dtype=torch.int32) for _ in range(2)))
+    with pytest.raises(ValueError, match="1 token ranges, these inputs 3"):
+        launch.backward(do, q, k, v, q, torch.zeros(1, 4, 130), random_selection(1, 2, 130, 4, 16), None, 1.0, 16,
+                        dict(range_tokens=50), index=index)
 
 
 def test_range_tokens_bound_the_partial_buffers():

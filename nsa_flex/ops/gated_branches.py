@@ -68,25 +68,34 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
     return o
 
 
+def _no_index(q: Tensor) -> list[Tensor]:
+    """The index outputs off the kernels (the twins build none): empty int32 tensors."""
+    return [q.new_empty(0, dtype=torch.int32) for _ in selected_launch.SavedIndex._fields]
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor, cmp_head: int,
                   gates: Tensor, group: int, window: int, sel_block: int, scale: float,
-                  impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                      Tensor]:
+    """(o, o_sel, lse_sel, o_win, lse_win, and the selected op's SavedIndex fields: its backward
+    reuses the index instead of building it again)."""
     q_heads = group * k.shape[2]
     if not window_op._runs_kernels(q, k, v, impl):
         o_win, lse_win, _, _ = window_op.twin.forward(q, k, v, group, window, scale)
         o_sel, lse_sel = selected_twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, None, scale, sel_block)
-        return gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), o_sel, lse_sel, o_win, lse_win
+        return (gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), o_sel, lse_sel, o_win, lse_win,
+                *_no_index(q))
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     o_win, lse_win, o_loc, lse_loc = window_op.forward(q, k, v, group, window, scale, cfg, sel_block)
-    o_sel, lse_sel = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
-                                             local=dense(o_loc, lse_loc))
+    o_sel, lse_sel, index = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
+                                                    local=dense(o_loc, lse_loc), keep_index=True)
     o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton")
-    return o, o_sel, lse_sel, o_win, lse_win
+    return o, o_sel, lse_sel, o_win, lse_win, *index
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor,
                    cmp_head: int, gates: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
-                   group: int, window: int, sel_block: int, scale: float,
+                   index: list[Tensor], group: int, window: int, sel_block: int, scale: float,
                    impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     q_heads = group * k.shape[2]
     do, = dense(do)  # once, for the three launches that read it
@@ -102,7 +111,8 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
                                sel=(lse_sel, delta_sel, gate_sel, sel_block))
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
-                                          q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads)
+                                          q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
+                                          index=selected_launch.SavedIndex(*index))
     return dq, dk, dv, d_cmp, d_gates
 
 
@@ -115,13 +125,18 @@ with quiet_without_triton():
 def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl):
     B, T, Hkv, _ = k.shape
     Hq, Dv = Hkv * group, v.shape[-1]
+    if window_op._runs_kernels(q, k, v, impl):
+        shapes = selected_launch.saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, Hq)
+        index = [q.new_empty(shape, dtype=torch.int32) for shape in shapes]
+    else:
+        index = _no_index(q)
     return (q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, Dv), q.new_empty(B, Hq, T, dtype=torch.float32),
-            q.new_empty(B, Hkv, T * group, Dv), q.new_empty(B, Hkv, T * group, dtype=torch.float32))
+            q.new_empty(B, Hkv, T * group, Dv), q.new_empty(B, Hkv, T * group, dtype=torch.float32), *index)
 
 
 @_backward_op.register_fake
-def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, group,
-                   window, sel_block, scale, impl):
+def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index,
+                   group, window, sel_block, scale, impl):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(cmp_rows, memory_format=torch.contiguous_format),
             torch.empty_like(gates, memory_format=torch.contiguous_format))
@@ -129,17 +144,17 @@ def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel,
 
 def _setup_context(ctx, inputs, output):
     q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl = inputs
-    _, o_sel, lse_sel, o_win, lse_win = output
-    ctx.mark_non_differentiable(o_sel, lse_sel, o_win, lse_win)
-    ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win)
+    _, o_sel, lse_sel, o_win, lse_win, *index = output
+    ctx.mark_non_differentiable(o_sel, lse_sel, o_win, lse_win, *index)
+    ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, *index)
     ctx.args = (cmp_head, group, window, sel_block, scale, impl)
 
 
-def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win):
-    q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win = ctx.saved_tensors
+def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
+    q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, *index = ctx.saved_tensors
     cmp_head, *rest = ctx.args
     dq, dk, dv, d_cmp, d_gates = torch.ops.nsa_flex.gated_branches_backward(
-        do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, *rest)
+        do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index, *rest)
     return dq, dk, dv, None, d_cmp, None, d_gates, None, None, None, None, None
 
 

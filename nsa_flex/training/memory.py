@@ -200,8 +200,10 @@ def _mask_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, tiles: FlexTiles
         per_seq = (2 * 13 * n.n_heads * T * T + 13 * n.n_heads * T * Tc + n.n_kv_heads * T * T
                    + 3 * 4 * n.n_heads * (n.head_dim + n.dv) * T)
     elif _block_centric(cfg, T, tiles):
-        # The selection (int32 [Hkv, T, n]), saved for the op's backward; no BlockMask lists.
-        per_seq = 4 * n.n_kv_heads * T * n.n_selected
+        # The selection (int32 [Hkv, T, n]), saved for the op's backward; no BlockMask lists. The
+        # gated node also keeps the selected op's inverse index for its backward: per (kv head,
+        # token, slot) an int32 block id and an int32 entry.
+        per_seq = (12 if tiles.gated_node else 4) * n.n_kv_heads * T * n.n_selected
     else:
         # The mask_mod's selection bits; per query tile a kv-side list (the union of its tokens'
         # blocks), per kv block a q-side list as wide as the query tiles (Flex's backward needs

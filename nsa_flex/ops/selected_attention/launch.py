@@ -7,13 +7,15 @@ every grid and buffer size is a function of the shapes.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import gluon_kernels, kernels, merge_kernels
-from nsa_flex.ops.selected_attention.index import SelectionIndex, build_index, num_virtual_blocks, work_list
+from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, num_virtual_blocks, \
+    work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
@@ -211,9 +213,56 @@ def _ranges(T: int, R: int):
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
 
 
+class SavedIndex(NamedTuple):
+    """The forward's SelectionIndex of every token range, packed for the backward, which then
+    builds only its work items (the index is the same; its sort and repeat check are ~90 us a
+    range at g4, 64k). Range i of ranges [t0, t1) (_ranges) is gid[:, :, t0:t1], counts[i],
+    offsets[i] and entries[B*Hkv*n*t0 : B*Hkv*n*t1]; blk_start / blk_end are every range's."""
+
+    gid: Tensor
+    """[B, Hkv, T, n] int32."""
+    entries: Tensor
+    """[B*Hkv*T*n] int32."""
+    counts: Tensor
+    """[ranges, B*Hkv*Nv] int32."""
+    offsets: Tensor
+    """[ranges, B*Hkv*Nv] int32."""
+    blk_start: Tensor
+    """[Nv] int32."""
+    blk_end: Tensor
+    """[Nv] int32."""
+
+
+def saved_index_shapes(B: int, T: int, Hkv: int, n: int, sel_block: int, q: Tensor, k: Tensor, v: Tensor,
+                       q_heads: int = 0) -> SavedIndex:
+    """The shapes of forward(keep_index=True)'s SavedIndex for these inputs (one sequence a row), as
+    tuples in its fields: for fake implementations."""
+    Hq = query_heads(q, q_heads)
+    cfg = _tiles(q, k, v, Hq // Hkv, None)
+    R = range_tokens(B, T, Hq, n, max(q.shape[-1], v.shape[-1]), q.dtype, cfg)
+    rows, Nv = B * Hkv * num_virtual_blocks(T, sel_block, 1), num_virtual_blocks(T, sel_block, 1)
+    ranges = len(_ranges(T, R)) if T > 0 else 0
+    return SavedIndex((B, Hkv, T, n), (B * Hkv * T * n, ), (ranges, rows), (ranges, rows), (Nv, ), (Nv, ))
+
+
+def _pack(indices: list[SelectionIndex]) -> SavedIndex:
+    return SavedIndex(torch.cat([i.gid_bhtn for i in indices], 2), torch.cat([i.entries for i in indices]),
+                      torch.stack([i.counts for i in indices]), torch.stack([i.offsets for i in indices]),
+                      indices[0].blk_start, indices[0].blk_end)
+
+
+def _unpack(saved: SavedIndex, i: int, t0: int, t1: int) -> SelectionIndex:
+    B, Hkv, _, n = saved.gid.shape
+    # The range's own dense tensors (see _range_of on strided views).
+    return SelectionIndex(saved.gid[:, :, t0:t1].contiguous(), saved.counts[i], saved.offsets[i],
+                          saved.entries[B * Hkv * n * t0:B * Hkv * n * t1], saved.blk_start, saved.blk_end)
+
+
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0,
-            local=None):
-    """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path.
+            local=None, keep_index: bool = False):
+    """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path; with
+    keep_index (T > 0) also the ranges' SavedIndex, which backward(index=) takes instead of
+    building the index again.
 
     q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads). local:
     None, or (o_loc, lse_loc) from the window op (ops.window.window_and_local): the partial over
@@ -223,10 +272,16 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     G = Hq // Hkv
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    indices = []
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
                                                local is not None):
         _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0, local=local)
-    return o, lse
+        indices.append(index)
+    if not keep_index:
+        return o, lse
+    if not indices:
+        raise ValueError("forward: keep_index needs T > 0")
+    return o, lse, _pack(indices)
 
 
 def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, cmp_rows, head: int, o_win,
@@ -305,7 +360,8 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
 
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None,
-             q_heads: int = 0, *, gate=None, delta=None, skip_local: bool = False, acc=None):
+             q_heads: int = 0, *, gate=None, delta=None, skip_local: bool = False, acc=None,
+             index: SavedIndex | None = None):
     """(dq, dk, dv) in the inputs' dtypes on the Triton path, dq in q's layout (a folded q's rows past
     T * G get zeros); lse and q_heads as forward takes and returns them.
 
@@ -314,7 +370,9 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     rowsum(dO * O) [B, Hq, T] fp32 (computed here when None). skip_local: the slots of each token's
     two local blocks are left out (without_local): the window's backward took them. acc: None, or
     (dq, dk, dv) holding another gradient of q, k, v in these layouts (contiguous); the sums are
-    added to them in place and they are returned."""
+    added to them in place and they are returned. index: the forward's SavedIndex of this
+    selection (forward(keep_index=True) with the same inputs, tiles and skip_local): only the work
+    items are built."""
     q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
     Hq, Dk = query_heads(q, q_heads), q.shape[-1]
@@ -323,6 +381,10 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     cfg = _tiles(q, k, v, G, tiles)
     consts = _constexprs(q, v, G, sel_block, n, cfg["bwd_BT"])
     R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
+    ranges = _ranges(T, R)
+    if index is not None and index.counts.shape[0] != len(ranges):
+        raise ValueError(f"backward: the saved index has {index.counts.shape[0]} token ranges, these inputs "
+                         f"{len(ranges)}; save it from forward with the same inputs and tiles")
     do, lse = dense(do, lse)
     if gate is not None and delta is None:
         raise ValueError("backward: a gate needs delta = rowsum(dO * o_sel) [B, Hq, T]")
@@ -339,7 +401,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape) or not all(x.is_contiguous() for x in acc):
             raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
     kernel, how = _pass_kernel(cfg, "bwd", q, v, consts)
-    ranges = _ranges(T, R)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
     # So the sums hold only the blocks that earlier ranges still reach, and each block is
@@ -347,11 +408,17 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     sums = len(ranges) > 1
     dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if sums else None
     dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if sums else None
+    span = cfg["bwd_BT"] * cfg["bwd_chunks"]
+    saved = index
     for i, (t0, t1) in enumerate(reversed(ranges)):
-        selection = _range_of(block_indices, t0, t1)
-        if skip_local:
-            selection = without_local(selection, sel_block, t0)
-        index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["bwd_BT"] * cfg["bwd_chunks"], t0, T)
+        if saved is None:
+            selection = _range_of(block_indices, t0, t1)
+            if skip_local:
+                selection = without_local(selection, sel_block, t0)
+            index, items = index_and_items(selection, sel_block, cu_seqlens, span, t0, T)
+        else:
+            index = _unpack(saved, len(ranges) - 1 - i, t0, t1)
+            items = work_items(index, span, t1 - t0, n)
         W, Nv = items.blk.shape[0], index.blk_start.shape[0]
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
@@ -379,6 +446,11 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
         _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
+    tail = q.shape[2] % G if folded else 0
+    if tail and acc is None:
+        # A folded q's last rows past its last whole token (R not a multiple of G): no token of
+        # the slot sum reaches them.
+        dq[:, :, q.shape[2] - tail:].zero_()
     return dq, dk, dv
 
 
@@ -401,27 +473,38 @@ def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, posit
     return index, work_list(index, span, block_indices.shape[2], block_indices.shape[3])
 
 
-_COMPILED_INDEX = torch.compile(_index_and_items, dynamic=False)
+_COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_index_and_items, work_list)}
+
+
+def _compiled_or_plain(fn, x: Tensor, *args):
+    """fn(*args), compiled once per shape on CUDA: eagerly the index's ~60 small kernels take more
+    host time than the attention takes on the GPU at 8k tokens. While an outer torch.compile
+    traces the op (or on CPU) the plain function runs, and the outer graph fuses it."""
+    compiled = _COMPILED.get(fn)
+    if compiled is not None and x.is_cuda and not _tracing(x):
+        try:
+            return compiled(*args)
+        except Exception as exc:  # a compiler bug of this torch version: the same function, eagerly
+            _COMPILED[fn] = None
+            warnings.warn(f"selected_attention: compiling {fn.__name__} failed on torch {torch.__version__} "
+                          f"({type(exc).__name__}: {exc}); it runs eagerly from now on (same result, more host "
+                          f"time)")
+    return fn(*args)
 
 
 def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int):
     """(SelectionIndex, WorkList) of the token range [t0, t0 + T') whose selection is block_indices
-    [B, Hkv, T', n]. Compiled once per shape on CUDA: eagerly its ~60 small kernels take more
-    host time than the attention takes on the GPU at 8k tokens. While an outer torch.compile
-    traces the op (or on CPU) the plain functions run, and the outer graph fuses them."""
-    global _COMPILED_INDEX
+    [B, Hkv, T', n] (see _compiled_or_plain)."""
     positions = None
     if cu_seqlens is not None:  # a single sequence needs no positions (every token is in it)
         positions = torch.arange(t0, t0 + block_indices.shape[2], device=block_indices.device)
-    if _COMPILED_INDEX is not None and block_indices.is_cuda and not _tracing(block_indices):
-        try:
-            return _COMPILED_INDEX(block_indices, sel_block, cu_seqlens, span, positions, seq_len)
-        except Exception as exc:  # a compiler bug of this torch version: the same functions, eagerly
-            _COMPILED_INDEX = None
-            warnings.warn(f"selected_attention: compiling the selection index failed on torch {torch.__version__} "
-                          f"({type(exc).__name__}: {exc}); it runs eagerly from now on (same result, more host "
-                          f"time)")
-    return _index_and_items(block_indices, sel_block, cu_seqlens, span, positions, seq_len)
+    return _compiled_or_plain(_index_and_items, block_indices, block_indices, sel_block, cu_seqlens, span, positions,
+                              seq_len)
+
+
+def work_items(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
+    """The WorkList of a range's index (see _compiled_or_plain)."""
+    return _compiled_or_plain(work_list, index.entries, index, span, T, n)
 
 
 def _tracing(x: Tensor) -> bool:
