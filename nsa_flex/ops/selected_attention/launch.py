@@ -240,9 +240,10 @@ def saved_index_shapes(B: int, T: int, Hkv: int, n: int, sel_block: int, q: Tens
     Hq = query_heads(q, q_heads)
     cfg = _tiles(q, k, v, Hq // Hkv, None)
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], v.shape[-1]), q.dtype, cfg)
-    rows, Nv = B * Hkv * num_virtual_blocks(T, sel_block, 1), num_virtual_blocks(T, sel_block, 1)
+    Nv = num_virtual_blocks(T, sel_block, 1)
     ranges = len(_ranges(T, R)) if T > 0 else 0
-    return SavedIndex((B, Hkv, T, n), (B * Hkv * T * n, ), (ranges, rows), (ranges, rows), (Nv, ), (Nv, ))
+    return SavedIndex((B, Hkv, T, n), (B * Hkv * T * n, ), (ranges, B * Hkv * Nv), (ranges, B * Hkv * Nv), (Nv, ),
+                      (Nv, ))
 
 
 def _pack(indices: list[SelectionIndex]) -> SavedIndex:
@@ -409,29 +410,28 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if sums else None
     dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if sums else None
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
-    saved = index
     for i, (t0, t1) in enumerate(reversed(ranges)):
-        if saved is None:
+        if index is None:
             selection = _range_of(block_indices, t0, t1)
             if skip_local:
                 selection = without_local(selection, sel_block, t0)
-            index, items = index_and_items(selection, sel_block, cu_seqlens, span, t0, T)
+            range_index, items = index_and_items(selection, sel_block, cu_seqlens, span, t0, T)
         else:
-            index = _unpack(saved, len(ranges) - 1 - i, t0, t1)
-            items = work_items(index, span, t1 - t0, n)
-        W, Nv = items.blk.shape[0], index.blk_start.shape[0]
+            range_index = _unpack(index, len(ranges) - 1 - i, t0, t1)
+            items = work_items(range_index, span, t1 - t0, n)
+        W, Nv = items.blk.shape[0], range_index.blk_start.shape[0]
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         # One range: no sums; the index's counts and offsets (int32 tensors no other argument
         # aliases) stand in for them, never read or written.
-        sum_k, sum_v = (dk_sum, dv_sum) if sums else (index.counts, index.offsets)
+        sum_k, sum_v = (dk_sum, dv_sum) if sums else (range_index.counts, range_index.offsets)
         finish = dict(SUMS=sums, ADD=i > 0, ACC=acc is not None)
         if W > 0:
             # A block's only item finishes it (dk, dv or the sums); the others write partials.
             launch(kernel, (W,),
-                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, index.entries,
-                   items.blk, items.start, items.end, index.blk_start, index.blk_end, items.n_items,
+                   q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, range_index.entries,
+                   items.blk, items.start, items.end, range_index.blk_start, range_index.blk_end, items.n_items,
                    dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *_q_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
                    *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
@@ -440,12 +440,12 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         if B * Hkv * Nv > 0:
             # The blocks with no item or several.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
-                dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, index.blk_start, index.blk_end,
-                Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
+                dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, range_index.blk_start,
+                range_index.blk_end, Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
                 DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
-        _slot_sum(dqp, None, index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
+        _slot_sum(dqp, None, range_index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
     tail = q.shape[2] % G if folded else 0
     if tail and acc is None:
         # A folded q's last rows past its last whole token (R not a multiple of G): no token of
