@@ -189,6 +189,20 @@ def test_index_matches_dense(B, Hkv, T, n, L, cu):
         assert (items.blk[used:] == -1).all()
 
 
+def test_index_of_a_unique_selection_without_the_repeat_check():
+    """unique=True (the selection op's own output) leaves out the repeat check: on a selection with
+    no repeats every field equals the checked index's; on one with a repeat the checked index
+    drops the later copy, which is what the check is for."""
+    T, n, L = 150, 5, 16
+    bi = random_selection(2, 2, T, n, L, seed=5).int()
+    checked, trusted = build_index(bi, L), build_index(bi, L, unique=True)
+    for name, a, b in zip(checked._fields, checked, trusted):
+        assert torch.equal(a, b), name
+    bi[1, 0, T - 1, -1] = bi[1, 0, T - 1, 0]
+    assert int(build_index(bi, L).gid_bhtn[1, 0, T - 1, -1]) == -1
+    assert int(build_index(bi, L, unique=True).gid_bhtn[1, 0, T - 1, -1]) >= 0
+
+
 def test_index_with_more_rows_than_16_bit_keys_hold():
     """Past 32766 rows the sort keys are int32: the same CSR as the dense construction."""
     T, n, L = 33000, 2, 1  # Nv = 33001 rows of one kv head

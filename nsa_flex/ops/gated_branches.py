@@ -18,7 +18,7 @@ itself:
   walks the other n - 2 slots, adding its sums into the window's gradients in place.
 
 The node trusts its selection: every token's block_indices must list its own block and the one
-before (the selection op's own selection with n_local = 2). So it is not public: the flex path
+before, and no block twice (the selection op's own selection with n_local = 2). So it is not public: the flex path
 calls it where that holds (flex.branches._forces_local). Off the kernels (impl="torch", or off
 CUDA) it runs the three ops' torch twins, which compute every slot themselves.
 """
@@ -88,7 +88,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_ro
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     o_win, lse_win, o_loc, lse_loc = window_op.forward(q, k, v, group, window, scale, cfg, sel_block)
     o_sel, lse_sel, index = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
-                                                    local=dense(o_loc, lse_loc), keep_index=True)
+                                                    local=dense(o_loc, lse_loc), keep_index=True, unique=True)
     o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton")
     return o, o_sel, lse_sel, o_win, lse_win, *index
 

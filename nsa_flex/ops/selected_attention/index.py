@@ -62,14 +62,16 @@ def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
 
 
 def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None,
-                positions: Tensor | None = None, seq_len: int | None = None) -> SelectionIndex:
+                positions: Tensor | None = None, seq_len: int | None = None, unique: bool = False) -> SelectionIndex:
     """The SelectionIndex of block_indices [B, Hkv, T, n] (document-local ids with cu_seqlens, B == 1).
 
     Slots with -1, or with a block past the end of the token's document, read nothing. A token
     range of a longer sequence: positions [T] are its tokens' places in the sequence of seq_len
     tokens (default: the whole sequence, arange(T)); entries stay local (t - positions[0]) and
     the virtual blocks span the whole sequence. positions is a tensor, not an offset, so a
-    compiled index serves every range of one length without recompiling.
+    compiled index serves every range of one length without recompiling. unique: no row lists a
+    block twice (the selection op's own output), so the repeat check is left out (its n x n
+    compares took ~160 us at g4, 64k on an H100, more than the sorts).
     """
     B, Hkv, T, n = block_indices.shape
     device = block_indices.device
@@ -88,9 +90,10 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     j = block_indices.long()
     # A block listed twice in one row counts once (the reference's mask is a set): later copies
     # read nothing. n x n compares per row, no sort, so the compiled index stays plain pointwise.
-    earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
-    repeat = ((j[..., :, None] == j[..., None, :]) & earlier).any(-1)
-    ok = (j >= 0) & ~repeat & (j * sel_block < lens[doc_t][:, None])
+    ok = (j >= 0) & (j * sel_block < lens[doc_t][:, None])
+    if not unique:
+        earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
+        ok &= ~((j[..., :, None] == j[..., None, :]) & earlier).any(-1)
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
 
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.

@@ -260,14 +260,15 @@ def _unpack(saved: SavedIndex, i: int, t0: int, t1: int) -> SelectionIndex:
 
 
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0,
-            local=None, keep_index: bool = False):
+            local=None, keep_index: bool = False, unique: bool = False):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path; with
     keep_index (T > 0) also the ranges' SavedIndex, which backward(index=) takes instead of
     building the index again.
 
     q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads). local:
     None, or (o_loc, lse_loc) from the window op (ops.window.window_and_local): the partial over
-    each token's two local blocks, merged in place of the slots that list them."""
+    each token's two local blocks, merged in place of the slots that list them. unique: no token
+    lists a block twice (the selection op's own output; build_index then skips its repeat check)."""
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     G = Hq // Hkv
@@ -275,7 +276,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     indices = []
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
-                                               local is not None):
+                                               local is not None, unique):
         _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0, local=local)
         indices.append(index)
     if not keep_index:
@@ -331,10 +332,10 @@ def without_local(block_indices: Tensor, sel_block: int, t0: int) -> Tensor:
 
 
 def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles, q_heads: int,
-                    skip_local: bool = False):
+                    skip_local: bool = False, unique: bool = False):
     """The forward kernel range by range: yields (partial o [B, T', Hq, n, Dv], partial lse [B, T', Hq, n],
     the range's SelectionIndex, its first token) for the caller's slot merge. skip_local: the
-    slots of each token's two local blocks read nothing (without_local)."""
+    slots of each token's two local blocks read nothing (without_local). unique: as forward's."""
     q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
@@ -347,7 +348,8 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
         selection = _range_of(block_indices, t0, t1)
         if skip_local:
             selection = without_local(selection, sel_block, t0)
-        index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T)
+        index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T,
+                                       unique)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
         po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
         plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
@@ -468,8 +470,8 @@ def _delta(do: Tensor, o: Tensor) -> Tensor:
     return delta
 
 
-def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int):
-    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len)
+def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int, unique: bool):
+    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len, unique)
     return index, work_list(index, span, block_indices.shape[2], block_indices.shape[3])
 
 
@@ -492,14 +494,15 @@ def _compiled_or_plain(fn, x: Tensor, *args):
     return fn(*args)
 
 
-def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int):
+def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int,
+                    unique: bool = False):
     """(SelectionIndex, WorkList) of the token range [t0, t0 + T') whose selection is block_indices
-    [B, Hkv, T', n] (see _compiled_or_plain)."""
+    [B, Hkv, T', n] (see _compiled_or_plain; unique as build_index takes it)."""
     positions = None
     if cu_seqlens is not None:  # a single sequence needs no positions (every token is in it)
         positions = torch.arange(t0, t0 + block_indices.shape[2], device=block_indices.device)
     return _compiled_or_plain(_index_and_items, block_indices, block_indices, sel_block, cu_seqlens, span, positions,
-                              seq_len)
+                              seq_len, unique)
 
 
 def work_items(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
