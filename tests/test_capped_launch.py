@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interpreter import QUIET_NUMPY, interpreter_skip
-from nsa_flex.ops.capped_launch import launch
+from nsa_flex.ops.capped_launch import TmaView, launch, tma_descriptor
 
 try:
     import triton
@@ -118,7 +118,7 @@ def test_errors():
     with pytest.raises(ValueError, match=r"writes\[1\] is not among the kernel's arguments"):
         launch(_affine_kernel, (1,), x, y, flag, 8, 1.0, 0.0, writes=(y, torch.empty(1)), SHIFT=False, BLOCK=32,
                maxnreg=96)
-    with pytest.raises(TypeError, match="launch argument of type str; allowed: tensors, None, bool, int, float"):
+    with pytest.raises(TypeError, match="launch argument of type str; allowed: tensors, TmaView, None, bool, int"):
         launch(_affine_kernel, (1,), x, y, flag, "8", 1.0, 0.0, writes=(y, flag), SHIFT=False, BLOCK=32, maxnreg=96)
 
     with pytest.raises(TypeError, match="constexpr or launch option of type object; allowed: bool, int, float, str"):
@@ -134,3 +134,24 @@ def test_errors():
 
     with pytest.raises(ValueError, match="an opaque launch needs a module-level kernel"):
         launch(local_kernel, (1,), x, maxnreg=96)
+
+
+def test_tma_views_need_an_opaque_launch():
+    x = torch.randn(64, device=DEVICE)
+    with pytest.raises(ValueError, match="a TmaView argument needs an opaque launch"):
+        launch(_affine_kernel, (1,), TmaView(x, (8, 8), (8, 1), (8, 8)), x, x, 8, 1.0, 0.0, writes=(x,), SHIFT=False,
+               BLOCK=32)
+
+
+def test_tma_descriptor_of_an_unaligned_view_is_a_copy():
+    """TMA reads from a 16-byte aligned base: a view that starts 2 bytes in is copied (same values),
+    an aligned one is used in place."""
+    pytest.importorskip("triton.experimental.gluon")
+    buf = torch.arange(8 * 65, dtype=torch.bfloat16)
+    aligned = tma_descriptor(TmaView(buf, (8, 64), (64, 1), (8, 64)))
+    assert aligned.base.data_ptr() == buf.data_ptr()
+    view = buf[1:513]
+    desc = tma_descriptor(TmaView(view, (8, 64), (64, 1), (8, 64)))
+    assert desc.base.data_ptr() % 16 == 0 and torch.equal(desc.base, view)
+    with pytest.raises(TypeError, match=r"TMA view of a torch.int32 tensor; allowed: torch.bfloat16"):
+        tma_descriptor(TmaView(buf.int(), (8, 64), (64, 1), (8, 64)))

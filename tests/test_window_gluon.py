@@ -1,10 +1,11 @@
-"""The window op's Gluon dK/dV kernel (nsa_flex/ops/window/gluon_kernels.py).
+"""The window op's Gluon kernels (nsa_flex/ops/window/gluon_kernels.py): dK/dV and the forward.
 
-On CPU: it builds for sm_90a within Hopper's registers and shared memory (tests/sm90_builds.py)
-and takes its Triton twin's arguments (the twin's interpreted tests are in
-test_window_attention.py). On the GPU (marked gpu): the backward with it against the backward
-with the Triton kernel, in the op's gated mode with and without the local-slot term, and in the
-plain mode; the window op's and the gated node's oracle tests run through it on an H100 too.
+On CPU: they build for sm_90a within Hopper's registers and shared memory (tests/sm90_builds.py),
+and the dK/dV kernel takes its Triton twin's arguments (the twins' interpreted tests are in
+test_window_attention.py). On the GPU (marked gpu): the backward with the Gluon dK/dV kernel
+against the backward with the Triton one, in the op's gated mode with and without the local-slot
+term, and in the plain mode; the forward against the Triton forward, with and without the local
+partial; the window op's and the gated node's oracle tests run through both on an H100 too.
 """
 
 from __future__ import annotations
@@ -48,6 +49,27 @@ def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 102
 
 BUILDS = [(4, True, 64, "bfloat16"), (16, True, 64, "float16"), (4, False, 0, "bfloat16"), (1, True, 64, "bfloat16")]
 
+
+def _fwd_args(G: int, local: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512):
+    """Positional and constexpr arguments of one forward launch on CPU tensors, as window_op.forward
+    makes them (the TMA descriptors as the opaque op's body makes them)."""
+    from nsa_flex.ops.capped_launch import TmaView, tma_descriptor
+
+    B, D, BM, BN = 1, 128, gluon_kernels.FWD_ROWS, gluon_kernels.FWD_KEYS
+    R = T * G
+    q = torch.zeros(B, Hkv, R, D, dtype=dtype)
+    k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
+    o, lse = torch.zeros(B, Hkv, R, D, dtype=dtype), torch.zeros(B, Hkv, R)
+    o_loc, lse_loc = (torch.zeros_like(o), torch.zeros_like(lse)) if local else (q.new_empty(0), torch.empty(0))
+    kv = lambda x: tma_descriptor(TmaView(x, (B * T, Hkv * D), (Hkv * D, 1), (BN, D)))  # noqa: E731
+    args = (tma_descriptor(TmaView(q, (B * Hkv * R, D), (D, 1), (BM, D))), kv(k), kv(v), o, lse, o_loc, lse_loc,
+            T, R, R, Hkv, W, D ** -0.5 * math.log2(math.e))
+    return args, dict(G=G, BM=BM, BN=BN, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local, num_warps=4,
+                      maxnreg=gluon_kernels.FWD_MAXNREG)
+
+
+FWD_BUILDS = [(4, 64, "bfloat16"), (16, 64, "float16"), (4, 0, "bfloat16"), (1, 64, "bfloat16")]
+
 _BUILD = """
 import json, torch
 from bench.kernel_regs import build_sm90
@@ -57,6 +79,10 @@ got = {}
 for G, gated, sel, dtype in BUILDS:
     args, kwargs = _dkdv_args(G, gated, sel, getattr(torch, dtype))
     got[repr((G, gated, sel, dtype))] = build_sm90(gluon_kernels._dkdv_gluon_kernel, args, kwargs)[1]
+from test_window_gluon import FWD_BUILDS, _fwd_args
+for G, local, dtype in FWD_BUILDS:
+    args, kwargs = _fwd_args(G, local, getattr(torch, dtype))
+    got[repr(("fwd", G, local, dtype))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -76,6 +102,33 @@ def test_dkdv_gluon_builds_for_sm90(sm90_builds, G, gated, sel, dtype):
     assert got["registers"] <= 255, got
     assert got["spill_stores"] <= 32, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES, got
+
+
+@needs_gluon
+@pytest.mark.parametrize("G, local, dtype", FWD_BUILDS)
+def test_fwd_gluon_builds_for_sm90(sm90_builds, G, local, dtype):
+    """The warp-specialised forward compiles for Hopper at its cap of 128 registers a thread (which
+    warp_specialize splits between the loader warp and the warpgroup) without spills, within the
+    shared memory of two programs per SM (as built: 90 KB)."""
+    got = sm90_builds[repr(("fwd", G, local, dtype))]
+    assert got["registers"] <= gluon_kernels.FWD_MAXNREG, got
+    assert got["spill_stores"] == 0, got
+    assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 2, got
+
+
+def test_fwd_gluon_applies_only_where_written_for():
+    """Asked for at D = 128 only; never on CPU tensors; on the GPU not at groups that are not powers of
+    two, nor where a 64-row tile could hold tokens of two selection blocks."""
+    assert window_op.launch_config(128, 128)["fwd_gluon"] == 1
+    assert window_op.launch_config(64, 64)["fwd_gluon"] == 0
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    assert not gluon_kernels.forward_applies(q, q, 4, 64)
+    if torch.cuda.is_available() and gluon_kernels.applies(q.cuda(), q.cuda(), 4):
+        x = q.cuda()
+        assert gluon_kernels.forward_applies(x, x, 4, 64) and gluon_kernels.forward_applies(x, x, 16, 0)
+        assert not gluon_kernels.forward_applies(x, x, 3, 64)
+        assert not gluon_kernels.forward_applies(x, x, 128, 64)  # 64 rows hold half a token
+        assert not gluon_kernels.forward_applies(x, x, 1, 32)  # a tile of 64 tokens spans two 32-token blocks
 
 
 def test_dkdv_gluon_takes_the_triton_kernels_arguments():
@@ -172,3 +225,38 @@ def _compare(got, want, exact: bool):
         diff = (a.float() - b.float()).abs()
         assert diff.max() <= 2.0 ** -7 * b.float().abs().max(), f"{name}: largest difference {diff.max().item()}"
         assert diff.norm() <= 2.0 ** -10 * b.float().norm(), f"{name}: relative L2 {(diff.norm() / b.float().norm())}"
+
+
+@gpu
+@pytest.mark.parametrize("B, T, Hkv, G, W, dtype", [
+    (2, 3001, 2, 4, 512, torch.bfloat16), (1, 1000, 2, 8, 512, torch.bfloat16), (1, 777, 3, 2, 128, torch.float16),
+    (2, 130, 1, 4, 512, torch.bfloat16), (1, 4099, 1, 16, 512, torch.bfloat16), (1, 2048, 2, 1, 300, torch.float16),
+    (1, 5, 1, 16, 512, torch.bfloat16), (1, 1, 2, 4, 512, torch.bfloat16)])
+@pytest.mark.parametrize("local", [0, 64], ids=["window", "local-partial"])
+def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, local):
+    """o, lse (and the local partial's o, lse) of the Gluon forward against the Triton forward's on the
+    same inputs, q with pad rows past T * G. Both keep the softmax in fp32 over the same 16-bit
+    products and round o to 16 bits once; they add the P V products in different orders (the Gluon
+    dot accumulates into the rescaled output), so an o element may land on the neighbouring 16-bit
+    value: within 2^-7 of it relative, plus fp32 noise; lse (fp32) within 2^-16 relative."""
+    D = 128
+    if local and W < 2 * local:
+        pytest.skip("the local partial needs W >= 2 l'")
+    x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
+    if not gluon_kernels.forward_applies(x, x, G, local):
+        pytest.skip("the Gluon forward runs on Hopper (sm_90) only")
+    gen = torch.Generator(device="cuda").manual_seed(T + G)
+    q = torch.randn(B, Hkv, T * G + 3, D, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(B, T, Hkv, D, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    cfg = window_op.launch_config(D, D)
+    got, want = (window_op.forward(q, k, v, G, W, D ** -0.5, {**cfg, "fwd_gluon": use}, local) for use in (1, 0))
+    names = ("o", "lse", "o_loc", "lse_loc") if local else ("o", "lse")
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        a, b = a.float(), b.float()
+        if name.startswith("o"):
+            bound = 2.0 ** -7 * b.abs() + 2.0 ** -14 * b.abs().max()
+        else:
+            bound = 2.0 ** -16 * (1 + b.abs())
+        worst = ((a - b).abs() - bound).max().item()
+        assert worst <= 0, f"{name}: largest difference {(a - b).abs().max().item()}"

@@ -12,6 +12,7 @@ stay traced (wrap_triton), which costs less host time.
 import ast
 import functools
 import importlib
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,6 +24,34 @@ if HAS_TRITON:
     from torch.library import wrap_triton
 
 
+class TmaView(NamedTuple):
+    """A Gluon kernel's TMA descriptor argument: `tensor` (read, 16-bit or fp32) seen as `shape` with
+    `strides` (elements, the last 1), loaded in tiles of `block`. launch() sends it through the
+    opaque op, whose body makes the descriptor (tma_descriptor) from the real tensor."""
+
+    tensor: Tensor
+    shape: tuple
+    strides: tuple
+    block: tuple
+
+
+def tma_descriptor(view: TmaView):
+    """The Hopper TensorDescriptor of view, with the shared-memory layout Gluon picks for its block.
+    TMA needs a 16-byte aligned base: a tensor that starts elsewhere (a view at an odd offset) is
+    copied first, same values."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtypes = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+    t = view.tensor
+    if t.dtype not in dtypes:
+        raise TypeError(f"TMA view of a {t.dtype} tensor; allowed: {', '.join(map(str, dtypes))}")
+    if t.data_ptr() % 16:
+        t = t.clone()
+    layout = gl.NVMMASharedLayout.get_default_for(list(view.block), dtypes[t.dtype])
+    return TensorDescriptor(t, list(view.shape), list(view.strides), list(view.block), layout)
+
+
 def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), traceable by torch.compile, with kwargs["maxnreg"] honoured.
 
@@ -30,8 +59,8 @@ def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> No
     Dynamo itself traces the launch (a caller compiling these launch functions directly) it
     cannot read the kernel's name, so the launch stays a wrap_triton one, uncapped.
 
-    kernel: a module-level @triton.jit (or @gluon.jit) function. args: tensors, None, bools, ints
-    and floats. opaque: through the opaque op even without a cap (a Gluon kernel, which Inductor
+    kernel: a module-level @triton.jit (or @gluon.jit) function. args: tensors, TmaView (opaque
+    launches only), None, bools, ints and floats. opaque: through the opaque op even without a cap (a Gluon kernel, which Inductor
     cannot launch).
     writes: the tensors among args that the kernel stores to (a capped launch declares them to
     torch.library; the other tensors are only read). kwargs: constexprs and launch options, all
@@ -39,6 +68,8 @@ def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> No
     """
     if not kwargs.get("maxnreg"):
         kwargs.pop("maxnreg", None)
+    if not opaque and any(isinstance(a, TmaView) for a in args):
+        raise ValueError(f"{kernel.fn.__name__}: a TmaView argument needs an opaque launch (opaque=True)")
     if opaque and torch.compiler.is_dynamo_compiling():
         raise RuntimeError(f"{kernel.fn.__name__}: an opaque launch cannot be traced by Dynamo itself; "
                            "call it from a torch.library op")
@@ -54,7 +85,10 @@ def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> No
     written = list(writes)
     reads, ints, floats, spec = [], [], [], []
     for a in args:
-        if isinstance(a, Tensor):
+        if isinstance(a, TmaView):
+            spec.append(("d", len(reads), *(tuple(int(x) for x in part) for part in a[1:])))
+            reads.append(a.tensor)
+        elif isinstance(a, Tensor):
             w = next((i for i, x in enumerate(written) if x is a), None)
             spec.append(("r", len(reads)) if w is None else ("w", w))
             if w is None:
@@ -68,7 +102,8 @@ def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> No
             spec.append(("f", len(floats)))
             floats.append(a)
         else:
-            raise TypeError(f"launch argument of type {type(a).__name__}; allowed: tensors, None, bool, int, float")
+            raise TypeError(f"launch argument of type {type(a).__name__}; allowed: tensors, TmaView, None, bool, "
+                            "int, float")
     missing = [i for i, x in enumerate(written) if not any(x is a for a in args)]
     if missing:
         raise ValueError(f"writes[{missing[0]}] is not among the kernel's arguments")
@@ -104,7 +139,8 @@ def _capped_launch(kernel: str, grid: list[int], reads: list[Tensor], written: l
     """Launch `kernel` (module:name) with the arguments launch() encoded in `spec`."""
     arg_spec, kwargs = _decode(spec)
     pools = {"r": reads, "w": written, "i": ints, "f": floats}
-    args = [value if kind == "c" else pools[kind][value] for kind, value in arg_spec]
+    args = [tma_descriptor(TmaView(reads[a[1]], *a[2:])) if a[0] == "d" else a[1] if a[0] == "c" else pools[a[0]][a[1]]
+            for a in arg_spec]
     _kernel(kernel)[tuple(grid)](*args, **kwargs)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from nsa_flex.ops.capped_launch import launch
+from nsa_flex.ops.capped_launch import TmaView, launch
 from nsa_flex.ops.triton_utils import HAS_TRITON, dense, quiet_without_triton
 from nsa_flex.ops.window import gluon_kernels, kernels, twin
 from nsa_flex.validate import check_4d
@@ -105,12 +105,15 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     kv_gluon: where gluon_kernels.applies (Hopper, D = 128), the dK/dV kernel in Gluon
     (gluon_kernels.py; its own 128-row tiles, 64-key blocks and 8 warps): at T=64k, G=4 in the
     compiled op 1.76 ms against 2.19, at G=16 7.14 against 9.58. 0 keeps the Triton kernel.
+
+    fwd_gluon: where gluon_kernels.forward_applies, the forward in Gluon, warp-specialised with
+    TMA loads (its own 64-row tiles and 64-key blocks; docs/decisions.md, "The window branch").
     """
     if max(Dk, Dv) <= 64:
-        return {"fwd_BM": 64, "fwd_BN": 32, "fwd_warps": 4, "fwd_stages": 3,
+        return {"fwd_BM": 64, "fwd_BN": 32, "fwd_warps": 4, "fwd_stages": 3, "fwd_gluon": 0,
                 "dq_BM": 64, "dq_BN": 32, "dq_warps": 4, "dq_stages": 3,
                 "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1, "kv_gluon": 0}
-    return {"fwd_BM": 64, "fwd_BN": 64, "fwd_warps": 4, "fwd_stages": 2,
+    return {"fwd_BM": 64, "fwd_BN": 64, "fwd_warps": 4, "fwd_stages": 2, "fwd_gluon": 1,
             "dq_BM": 64, "dq_BN": 64, "dq_warps": 4, "dq_stages": 2,
             "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2, "kv_gluon": 1}
 
@@ -137,6 +140,17 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
     lse = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
     o_loc, lse_loc = twin.local_buffers(q, k, v, group, local_block)
     if B * R * Hkv == 0:
+        return o, lse, o_loc, lse_loc
+    if cfg.get("fwd_gluon") and gluon_kernels.forward_applies(q, v, group, local_block):
+        # Inductor cannot launch a Gluon kernel: the opaque op does, making the TMA descriptors.
+        BM, BN, D = gluon_kernels.FWD_ROWS, gluon_kernels.FWD_KEYS, Dk
+        Rq = q.shape[2]
+        kv_view = lambda x: TmaView(x, (B * T, Hkv * D), (Hkv * D, 1), (BN, D))  # noqa: E731
+        launch(gluon_kernels._fwd_gluon_kernel, (-(-R // BM), B * Hkv),
+               TmaView(q, (B * Hkv * Rq, D), (D, 1), (BM, D)), kv_view(k), kv_view(v), o, lse, o_loc, lse_loc,
+               T, R, Rq, Hkv, window, scale * math.log2(math.e), writes=(o, lse, o_loc, lse_loc), opaque=True,
+               G=group, BM=BM, BN=BN, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block, num_warps=4,
+               maxnreg=gluon_kernels.FWD_MAXNREG)
         return o, lse, o_loc, lse_loc
     BM = cfg["fwd_BM"]
     wrap_triton(kernels._fwd_kernel)[(-(-R // BM), B * Hkv)](

@@ -1,4 +1,12 @@
-"""The window op's dK/dV kernel in Gluon, for Hopper at 16-bit Dk = Dv = 128.
+"""The window op's forward and dK/dV kernels in Gluon, for Hopper at 16-bit Dk = Dv = 128.
+
+_fwd_gluon_kernel does kernels._fwd_kernel's work (one program per 64-row tile, an online softmax
+over its band of keys; with LOCAL the partial over each row's two local selection blocks first)
+warp-specialised: one loader warp issues the TMA loads of the tile's queries and of each 64-key
+block's K and V into a ring of buffers, and a warpgroup runs the dots (wgmma) and the softmax, so
+the loads never wait on the softmax. Its sums run in another order than the Triton kernel's (the
+P V dot accumulates into the rescaled output), so o and lse agree with it to rounding, not bit
+for bit.
 
 _dkdv_gluon_kernel does kernels._dkdv_kernel's work (one program per key block, walking the row
 tiles that see it; the gated and local-slot terms) in another schedule. The Triton kernel holds
@@ -25,12 +33,20 @@ from nsa_flex.ops.selected_attention.gluon_kernels import HAS_GLUON, _capability
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, \
-        warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma, \
+        warpgroup_mma, warpgroup_mma_wait
 
 DKDV_ROWS = 128
 """Folded rows per tile of the Gluon dK/dV kernel (launched with 8 warps, 64-key blocks)."""
 DKDV_KEYS = 64
+FWD_ROWS = 64
+"""Folded rows per tile of the Gluon forward (one consumer warpgroup, 64-key blocks)."""
+FWD_KEYS = 64
+FWD_BUFFERS = 2
+"""K / V blocks in flight in the forward's ring (3 measured the same as 2)."""
+FWD_MAXNREG = 128
+"""The forward's registers per thread, which warp_specialize splits: 24 for the loader warp, the
+rest to the consumer warpgroup (two programs per SM)."""
 
 
 def applies(q: torch.Tensor, v: torch.Tensor, group: int) -> bool:
@@ -42,7 +58,162 @@ def applies(q: torch.Tensor, v: torch.Tensor, group: int) -> bool:
             and not torch.compiler.is_dynamo_compiling())
 
 
+def forward_applies(q: torch.Tensor, v: torch.Tensor, group: int, local_block: int) -> bool:
+    """Whether the Gluon forward can run: where applies(), and with a local partial its 64-row
+    tiles never hold tokens of two selection blocks (l' a multiple of 64 / G)."""
+    return applies(q, v, group) and (local_block == 0 or (group <= FWD_ROWS and local_block % FWD_KEYS == 0
+                                                           and local_block % (FWD_ROWS // group) == 0))
+
+
 if HAS_GLUON:
+
+    @gluon.jit
+    def _fwd_block(i, start0, n_first, first, BN: gl.constexpr):
+        """First key of the tile's i-th block: the n_first blocks from start0 (the local blocks,
+        which end at the tile's last token), then the rest of the band from first."""
+        kb = first + (i - n_first) * BN
+        if i < n_first:
+            kb = start0 + i * BN
+        return kb
+
+    @gluon.jit
+    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, k_row, k_col,
+                    start0, n_first, first, n_blocks, BN: gl.constexpr):
+        """The loader warp: the tile's query rows, then each block's K and V into the ring as its
+        buffers come free. K / V of kv head h are columns h*D.. of k viewed as [B*T, Hkv*D]; rows
+        past a batch row's last token are the next row's (or TMA's zeros past the end), which
+        the diagonal's mask hides."""
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+        NB: gl.constexpr = k_bufs.type.shape[0]
+        for i in range(n_blocks):
+            idx = i % NB
+            mbarrier.wait(empty.index(idx), ((i // NB) & 1) ^ 1)
+            kb = _fwd_block(i, start0, n_first, first, BN)
+            bar = ready.index(idx)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + kb, k_col], bar, k_bufs.index(idx))
+            tma.async_copy_global_to_shared(v_desc, [k_row + kb, k_col], bar, v_bufs.index(idx))
+
+    @gluon.jit
+    def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, kb, acc, m_i, l_i, tok, t0, t1, W, scale2,
+                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+        """Block i (keys kb..) into the online softmax (base 2), as kernels._fwd_step: only the
+        blocks the window's start or the diagonal cut are masked."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        NB: gl.constexpr = k_bufs.type.shape[0]
+        idx = i % NB
+        mbarrier.wait(ready.index(idx), (i // NB) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s = s * scale2
+        if (kb + BN - 1 > t0) | (kb <= t1 - W):
+            keys = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
+            s = gl.where(seen, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # A row the window's start cuts may see no key yet: subtract 0, not -inf (no NaN).
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_sub[:, None])
+        alpha = gl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_bufs.index(idx), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Both dots of the block are done: its buffers go back to the loader.
+        mbarrier.arrive(empty.index(idx), count=1)
+        return acc, m_new, l_i
+
+    @gluon.jit
+    def _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+        """o = acc / l (16-byte stores) and lse = m + log2(l) of the tile's rows below R; O
+        [B, Hkv, R, D] and LSE [B, Hkv, R] contiguous."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        # Every real row sees its own key, so l > 0 there; pad rows are not stored.
+        l_safe = gl.where(l_i > 0, l_i, 1.0)
+        o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        o = gl.convert_layout(o.to(O.dtype.element_ty), st)
+        r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, st))
+        gl.store(O + (bh.to(gl.int64) * R + r)[:, None] * D + c[None, :], o, mask=(r < R)[:, None])
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        gl.store(LSE + bh.to(gl.int64) * R + rows, m_i + gl.log2(l_safe), mask=rows < R)
+
+    @gluon.jit
+    def _fwd_consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, O_LOC, LSE_LOC, bh, row0, R, t0, t1, W,
+                      scale2, start0, n_first, first, n_blocks, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      D: gl.constexpr, LOCAL: gl.constexpr):
+        """The consumer warpgroup: the local blocks (with LOCAL; their softmax stored as the local
+        partial), then the rest of the band; o and lse."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        sc2 = gl.cast(scale2, gl.float32)
+        tok = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))) // G
+        m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BM, D], gl.float32, layout=o_layout)
+        mbarrier.wait(q_bar, 0)
+        for i in range(n_first):
+            acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, start0 + i * BN, acc, m_i, l_i, tok,
+                                      t0, t1, W, sc2, BM, BN, D)
+        if LOCAL > 0:
+            _fwd_store(O_LOC, LSE_LOC, acc, m_i, l_i, bh, row0, R, BM, BN, D)
+        for i in range(n_first, n_blocks):
+            acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, first + (i - n_first) * BN, acc, m_i,
+                                      l_i, tok, t0, t1, W, sc2, BM, BN, D)
+        _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, BN, D)
+
+    @gluon.jit
+    def _fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Rq, Hkv, W, scale2,
+                          G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
+                          LOCAL: gl.constexpr):
+        """o [B, Hkv, R, D], lse [B, Hkv, R] (base 2) and with LOCAL (l') the local partial
+        (O_LOC, LSE_LOC in o's and lse's layouts) of the BM-row tile program_id(0) of (b, kv head)
+        program_id(1), as kernels._fwd_kernel gives them (no tile may cross a selection block:
+        forward_applies). q_desc: folded q as [B*Hkv*Rq, D] in [BM, D] tiles; k_desc / v_desc: k, v
+        as [B*T, Hkv*D] in [BN, D] tiles. 4 warps and a loader warp."""
+        bh = gl.program_id(1)
+        b = bh // Hkv
+        h = bh % Hkv
+        row0 = gl.program_id(0) * BM
+        t0 = row0 // G
+        t1 = gl.minimum((row0 + BM - 1) // G, T - 1)
+        first = (gl.maximum(t0 - W + 1, 0) // BN) * BN
+        start0 = first
+        if LOCAL > 0:
+            # The local blocks (the token's own and the one before) lead, so their softmax is the
+            # state after them; the window holds them whole (W >= 2 l').
+            start0 = gl.maximum((t0 // LOCAL - 1) * LOCAL, 0)
+        n_first = gl.cdiv(t1 + 1 - start0, BN)
+        n_blocks = n_first + (start0 - first) // BN
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NB] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NB] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NB):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, O_LOC, LSE_LOC, bh, row0, R, t0, t1,
+                             W, scale2, start0, n_first, first, n_blocks, G, BM, BN, D, LOCAL)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, bh * Rq + row0,
+                           b * T, h * D, start0, n_first, first, n_blocks, BN)),
+        ], [1], [24])
 
     @gluon.jit
     def _rows_to_shared(dst, ptr, b, h, r, ok, s_b, s_h, s_t, s_g, col, G: gl.constexpr):
