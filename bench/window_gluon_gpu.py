@@ -4,7 +4,7 @@
 
 window_op.forward with launch_config's fwd_gluon 1 and 0, with the local partial (l' = 64, as the
 gated node runs it) and without (the window op's own forward). Inputs: q (folded), k, v random
-bf16, D = 128, W = 512. Per shape: the largest differences of o and lse (and of the local
+bf16, W = 512. Per shape: the largest differences of o and lse (and of the local
 partial's), and do_bench medians of each variant, each twice in turn. docs/decisions.md, "The
 window branch".
 """
@@ -18,8 +18,9 @@ import torch
 
 from bench.common import bench_ms, header, row_recorder
 
-SHAPES = [(65536, 4, 4), (32768, 4, 4), (65536, 4, 16), (16384, 4, 4), (8192, 4, 1)]
-"""(T, Hkv, G) at D = 128, W = 512."""
+SHAPES = [(1, 65536, 4, 4, 128), (1, 32768, 4, 4, 128), (1, 65536, 4, 16, 128), (1, 16384, 4, 4, 128),
+          (1, 8192, 4, 1, 128), (1, 65536, 3, 4, 64), (4, 8192, 3, 4, 64)]
+"""(B, T, Hkv, G, D) at W = 512: the g4 and G=16 op's heads, and seeds-125m's (D = 64)."""
 
 
 def main() -> None:
@@ -30,12 +31,11 @@ def main() -> None:
     import nsa_flex.ops.window as W
 
     _, add = row_recorder(args.out, {**header(args.commit), "what": "window_op.forward, Gluon (fwd_gluon 1) against "
-                                     "Triton (0), bf16, D=128, W=512, B=1; do_bench medians, each variant twice"})
-    D = 128
-    for T, Hkv, G in SHAPES:
+                                     "Triton (0), bf16, W=512; do_bench medians, each variant twice"})
+    for B, T, Hkv, G, D in SHAPES:
         torch.manual_seed(T + G)
-        q = torch.randn(1, Hkv, T * G, D, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(B, Hkv, T * G, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for local in (64, 0):
             cfgs = {name: {**W.launch_config(D, D), "fwd_gluon": use} for name, use in (("gluon", 1), ("triton", 0))}
             outs = {name: W.forward(q, k, v, G, 512, D ** -0.5, cfg, local) for name, cfg in cfgs.items()}
@@ -46,7 +46,7 @@ def main() -> None:
             for _ in range(2):
                 for name, cfg in cfgs.items():
                     ms[name].append(bench_ms(lambda cfg=cfg: W.forward(q, k, v, G, 512, D ** -0.5, cfg, local)))
-            row = {"T": T, "Hkv": Hkv, "G": G, "local": local, "ms": ms, "max_abs_diff": diffs}
+            row = {"B": B, "T": T, "Hkv": Hkv, "G": G, "D": D, "local": local, "ms": ms, "max_abs_diff": diffs}
             add(row)
 
 

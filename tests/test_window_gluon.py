@@ -50,12 +50,12 @@ def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 102
 BUILDS = [(4, True, 64, "bfloat16"), (16, True, 64, "float16"), (4, False, 0, "bfloat16"), (1, True, 64, "bfloat16")]
 
 
-def _fwd_args(G: int, local: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512):
+def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1024, Hkv: int = 2, W: int = 512):
     """Positional and constexpr arguments of one forward launch on CPU tensors, as window_op.forward
     makes them (the TMA descriptors as the opaque op's body makes them)."""
     from nsa_flex.ops.capped_launch import TmaView, tma_descriptor
 
-    B, D, BM, BN = 1, 128, gluon_kernels.FWD_ROWS, gluon_kernels.FWD_KEYS
+    B, BM, BN = 1, gluon_kernels.FWD_ROWS, gluon_kernels.FWD_KEYS
     R = T * G
     q = torch.zeros(B, Hkv, R, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
@@ -68,7 +68,8 @@ def _fwd_args(G: int, local: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int 
                       maxnreg=gluon_kernels.FWD_MAXNREG)
 
 
-FWD_BUILDS = [(4, 64, "bfloat16"), (16, 64, "float16"), (4, 0, "bfloat16"), (1, 64, "bfloat16")]
+FWD_BUILDS = [(4, 64, "bfloat16", 128), (16, 64, "float16", 128), (4, 0, "bfloat16", 128), (1, 64, "bfloat16", 128),
+              (4, 64, "bfloat16", 64)]
 
 _BUILD = """
 import json, torch
@@ -80,9 +81,9 @@ for G, gated, sel, dtype in BUILDS:
     args, kwargs = _dkdv_args(G, gated, sel, getattr(torch, dtype))
     got[repr((G, gated, sel, dtype))] = build_sm90(gluon_kernels._dkdv_gluon_kernel, args, kwargs)[1]
 from test_window_gluon import FWD_BUILDS, _fwd_args
-for G, local, dtype in FWD_BUILDS:
-    args, kwargs = _fwd_args(G, local, getattr(torch, dtype))
-    got[repr(("fwd", G, local, dtype))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
+for G, local, dtype, D in FWD_BUILDS:
+    args, kwargs = _fwd_args(G, local, getattr(torch, dtype), D)
+    got[repr(("fwd", G, local, dtype, D))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -105,20 +106,21 @@ def test_dkdv_gluon_builds_for_sm90(sm90_builds, G, gated, sel, dtype):
 
 
 @needs_gluon
-@pytest.mark.parametrize("G, local, dtype", FWD_BUILDS)
-def test_fwd_gluon_builds_for_sm90(sm90_builds, G, local, dtype):
+@pytest.mark.parametrize("G, local, dtype, D", FWD_BUILDS)
+def test_fwd_gluon_builds_for_sm90(sm90_builds, G, local, dtype, D):
     """The warp-specialised forward compiles for Hopper at its cap of 128 registers a thread (which
     warp_specialize splits between the loader warp and the warpgroup) without spills, within the
     shared memory of two programs per SM (as built: 90 KB)."""
-    got = sm90_builds[repr(("fwd", G, local, dtype))]
+    got = sm90_builds[repr(("fwd", G, local, dtype, D))]
     assert got["registers"] <= gluon_kernels.FWD_MAXNREG, got
     assert got["spill_stores"] == 0, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 2, got
 
 
 def test_fwd_gluon_applies_only_where_written_for():
-    """Asked for at D = 128 only; never on CPU tensors; on the GPU not at groups that are not powers of
-    two, nor where a 64-row tile could hold tokens of two selection blocks."""
+    """Asked for at D = 128 (the launch config; D = 64 runs too when asked); never on CPU tensors; on
+    the GPU not at groups that are not powers of two, at other head dims or where a 64-row tile
+    could hold tokens of two selection blocks."""
     assert window_op.launch_config(128, 128)["fwd_gluon"] == 1
     assert window_op.launch_config(64, 64)["fwd_gluon"] == 0
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
@@ -127,6 +129,8 @@ def test_fwd_gluon_applies_only_where_written_for():
         x = q.cuda()
         assert gluon_kernels.forward_applies(x, x, 4, 64) and gluon_kernels.forward_applies(x, x, 16, 0)
         assert not gluon_kernels.forward_applies(x, x, 3, 64)
+        assert gluon_kernels.forward_applies(x[..., :64], x[..., :64], 4, 64)
+        assert not gluon_kernels.forward_applies(x[..., :96], x[..., :96], 4, 0)
         assert not gluon_kernels.forward_applies(x, x, 128, 64)  # 64 rows hold half a token
         assert not gluon_kernels.forward_applies(x, x, 1, 32)  # a tile of 64 tokens spans two 32-token blocks
 
@@ -228,18 +232,19 @@ def _compare(got, want, exact: bool):
 
 
 @gpu
-@pytest.mark.parametrize("B, T, Hkv, G, W, dtype", [
-    (2, 3001, 2, 4, 512, torch.bfloat16), (1, 1000, 2, 8, 512, torch.bfloat16), (1, 777, 3, 2, 128, torch.float16),
-    (2, 130, 1, 4, 512, torch.bfloat16), (1, 4099, 1, 16, 512, torch.bfloat16), (1, 2048, 2, 1, 300, torch.float16),
-    (1, 5, 1, 16, 512, torch.bfloat16), (1, 1, 2, 4, 512, torch.bfloat16)])
+@pytest.mark.parametrize("B, T, Hkv, G, W, dtype, D", [
+    (2, 3001, 2, 4, 512, torch.bfloat16, 128), (1, 1000, 2, 8, 512, torch.bfloat16, 128),
+    (1, 777, 3, 2, 128, torch.float16, 128), (2, 130, 1, 4, 512, torch.bfloat16, 128),
+    (1, 4099, 1, 16, 512, torch.bfloat16, 128), (1, 2048, 2, 1, 300, torch.float16, 128),
+    (1, 5, 1, 16, 512, torch.bfloat16, 128), (1, 1, 2, 4, 512, torch.bfloat16, 128),
+    (2, 1500, 3, 4, 512, torch.bfloat16, 64), (1, 333, 2, 16, 200, torch.float16, 64)])
 @pytest.mark.parametrize("local", [0, 64], ids=["window", "local-partial"])
-def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, local):
+def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, D, local):
     """o, lse (and the local partial's o, lse) of the Gluon forward against the Triton forward's on the
     same inputs, q with pad rows past T * G. Both keep the softmax in fp32 over the same 16-bit
     products and round o to 16 bits once; they add the P V products in different orders (the Gluon
     dot accumulates into the rescaled output), so an o element may land on the neighbouring 16-bit
     value: within 2^-7 of it relative, plus fp32 noise; lse (fp32) within 2^-16 relative."""
-    D = 128
     if local and W < 2 * local:
         pytest.skip("the local partial needs W >= 2 l'")
     x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")

@@ -1,4 +1,4 @@
-"""The window op's forward and dK/dV kernels in Gluon, for Hopper at 16-bit Dk = Dv = 128.
+"""The window op's forward and dK/dV kernels in Gluon, for Hopper at 16-bit Dk = Dv.
 
 _fwd_gluon_kernel does kernels._fwd_kernel's work (one program per 64-row tile, an online softmax
 over its band of keys; with LOCAL the partial over each row's two local selection blocks first)
@@ -59,10 +59,14 @@ def applies(q: torch.Tensor, v: torch.Tensor, group: int) -> bool:
 
 
 def forward_applies(q: torch.Tensor, v: torch.Tensor, group: int, local_block: int) -> bool:
-    """Whether the Gluon forward can run: where applies(), and with a local partial its 64-row
-    tiles never hold tokens of two selection blocks (l' a multiple of 64 / G)."""
-    return applies(q, v, group) and (local_block == 0 or (group <= FWD_ROWS and local_block % FWD_KEYS == 0
-                                                           and local_block % (FWD_ROWS // group) == 0))
+    """Whether the Gluon forward can run: Hopper (sm_90), 16-bit, Dk = Dv of 64 or 128, G a power of
+    two, not traced by Dynamo itself; with a local partial its 64-row tiles never hold tokens of two
+    selection blocks (l' a multiple of 64 / G)."""
+    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
+            and v.shape[-1] == q.shape[-1] and group & (group - 1) == 0 and _capability(q.device.index) == (9, 0)
+            and not torch.compiler.is_dynamo_compiling()
+            and (local_block == 0 or (group <= FWD_ROWS and local_block % FWD_KEYS == 0
+                                      and local_block % (FWD_ROWS // group) == 0)))
 
 
 if HAS_GLUON:
