@@ -241,10 +241,15 @@ def _compare(got, want, exact: bool):
 @pytest.mark.parametrize("local", [0, 64], ids=["window", "local-partial"])
 def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, D, local):
     """o, lse (and the local partial's o, lse) of the Gluon forward against the Triton forward's on the
-    same inputs, q with pad rows past T * G. Both keep the softmax in fp32 over the same 16-bit
-    products and round o to 16 bits once; they add the P V products in different orders (the Gluon
-    dot accumulates into the rescaled output), so an o element may land on the neighbouring 16-bit
-    value: within 2^-7 of it relative, plus fp32 noise; lse (fp32) within 2^-16 relative."""
+    same inputs, q with pad rows past T * G. Both keep the softmax in fp32 and round P to 16 bits
+    for the P V dot, but their fp32 arithmetic is fused differently (and at D = 64 the Triton
+    kernel walks 32-key blocks, so its running maxima differ): any P element may round to the
+    neighbouring 16-bit value, a relative 2^-8 of it. o = sum_j P_j v_j / l then differs by at most
+    2^-8 sum_j P_j |v_j| / l (every term off by 2^-8 of itself: the forward of |v|, 1% of slack for
+    its own roundings) plus one 16-bit rounding of o (2^-7 of it); lse (fp32, no 16-bit step)
+    within 2^-16 relative.
+    (Measured on an H100 at these shapes: o within 0.004, lse within 2e-6; the local partial, the
+    first blocks' softmax, equal bit for bit at D = 128.)"""
     if local and W < 2 * local:
         pytest.skip("the local partial needs W >= 2 l'")
     x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
@@ -256,12 +261,13 @@ def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, D, local):
     cfg = window_op.launch_config(D, D)
     got, want = (window_op.forward(q, k, v, G, W, D ** -0.5, {**cfg, "fwd_gluon": use}, local) for use in (1, 0))
     names = ("o", "lse", "o_loc", "lse_loc") if local else ("o", "lse")
-    for name, a, b in zip(names, got, want):
+    o_abs = window_op.forward(q, k, v.abs(), G, W, D ** -0.5, {**cfg, "fwd_gluon": 0}, local)
+    for i, (name, a, b) in enumerate(zip(names, got, want)):
         assert a.shape == b.shape and torch.isfinite(a).all(), name
         a, b = a.float(), b.float()
+        diff = (a - b).abs()
         if name.startswith("o"):
-            bound = 2.0 ** -7 * b.abs() + 2.0 ** -14 * b.abs().max()
+            bound = 1.01 * 2.0 ** -8 * o_abs[i].float() + 2.0 ** -7 * b.abs()
+            assert (diff <= bound).all(), f"{name}: largest difference {diff.max()}, over by {(diff - bound).max()}"
         else:
-            bound = 2.0 ** -16 * (1 + b.abs())
-        worst = ((a - b).abs() - bound).max().item()
-        assert worst <= 0, f"{name}: largest difference {(a - b).abs().max().item()}"
+            assert (diff <= 2.0 ** -16 * (1 + b.abs())).all(), f"{name}: largest difference {diff.max()}"
