@@ -1,13 +1,15 @@
-"""The window op's dK/dV kernel, Gluon against Triton, on the same inputs (a GPU with Gluon).
+"""The window op's backward kernels, Gluon against Triton, on the same inputs (a GPU with Gluon).
 
     python -m bench.window_dkdv_gluon_gpu --out $OUT/window_gluon_dkdv_kernel.json
 
 window_op.backward in the gated node's mode (dO unfolded, the window's gate and delta per row,
-with and without the selected branch's local-slot term) with launch_config's kv_gluon 1 and 0.
+with and without the selected branch's local-slot term) with launch_config's kv_gluon and
+dq_gluon: both Triton (triton), the Gluon dK/dV kernel (gluon: kv_gluon 1) and both Gluon
+(gluon_dq: kv_gluon and dq_gluon 1), each against the first.
 Inputs: q, k, v random bf16; o, lse from window_op.forward with the local partial; the gate
 uniform; delta = rowsum(dO o); the selected rows from lse plus 0.3 U(0, 1), 0.7 delta and U(0, 1).
-Per shape: the largest and relative L2 differences of dq (the same Triton kernel in both), dk and
-dv; at T >= 32k do_bench medians of the whole backward (dQ + dK/dV), each variant twice.
+Per shape: the largest and relative L2 differences of dq, dk and dv; at T >= 32k do_bench
+medians of the whole backward (dQ + dK/dV), each variant twice.
 docs/decisions.md, "The window branch".
 """
 
@@ -52,27 +54,30 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     _, add = row_recorder(args.out, {**header(), "what": "window backward (dQ kernel + dK/dV kernel) in the gated "
-                                     "node's mode with (sel) and without (nosel) the local-slot term: the Triton "
-                                     "dK/dV kernel (kv_gluon 0) against the Gluon one (kv_gluon 1) on the same "
-                                     "inputs; differences of dq, dk, dv; do_bench ms",
+                                     "node's mode with (sel) and without (nosel) the local-slot term: Triton kernels "
+                                     "(triton), the Gluon dK/dV kernel (gluon), and the Gluon dQ kernel too "
+                                     "(gluon_dq) on the same inputs; differences of dq, dk, dv against triton; "
+                                     "do_bench ms",
                                      "method": "python -m bench.window_dkdv_gluon_gpu"})
     for T, Hkv, G in SHAPES:
         torch.manual_seed(0)
         base, kw, sel_rows = _inputs(T, Hkv, G)
-        cfgs = [{**W.launch_config(128, 128), "kv_gluon": use} for use in (0, 1)]
+        cfgs = {name: {**W.launch_config(128, 128), "kv_gluon": kv, "dq_gluon": dq}
+                for name, kv, dq in (("triton", 0, 0), ("gluon", 1, 0), ("gluon_dq", 1, 1))}
         row = {"T": T, "Hkv": Hkv, "G": G}
         for tag, sel in (("sel", sel_rows), ("nosel", None)):
-            run = [lambda c=c: W.backward(*base, c, **kw, sel=sel) for c in cfgs]
-            want, got = run[0](), run[1]()
-            for name, a, b in zip(("dq", "dk", "dv"), want, got):
-                a, b = a.float(), b.float()
-                row[f"{tag}_{name}_max_diff"] = (a - b).abs().max().item()
-                row[f"{tag}_{name}_max_abs"] = a.abs().max().item()
-                row[f"{tag}_{name}_rel_l2"] = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+            run = {name: (lambda c=c: W.backward(*base, c, **kw, sel=sel)) for name, c in cfgs.items()}
+            want = run["triton"]()
+            for variant in ("gluon", "gluon_dq"):
+                for name, a, b in zip(("dq", "dk", "dv"), want, run[variant]()):
+                    a, b = a.float(), b.float()
+                    row[f"{tag}_{variant}_{name}_max_diff"] = (a - b).abs().max().item()
+                    row[f"{tag}_{name}_max_abs"] = a.abs().max().item()
+                    row[f"{tag}_{variant}_{name}_rel_l2"] = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
             if T >= 32768:
                 for rep in (1, 2):
-                    row[f"{tag}_triton_ms_{rep}"] = do_bench(run[0], rep=200)
-                    row[f"{tag}_gluon_ms_{rep}"] = do_bench(run[1], rep=200)
+                    for variant, fn in run.items():
+                        row[f"{tag}_{variant}_ms_{rep}"] = do_bench(fn, rep=200)
         add(row)
 
 

@@ -68,6 +68,29 @@ def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1
                       maxnreg=gluon_kernels.FWD_MAXNREG)
 
 
+def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512):
+    """Positional and constexpr arguments of one gated dQ launch on CPU tensors, as window_op.backward
+    makes them (dO unfolded [B, T, Hq, D]; the TMA descriptors as the opaque op's body makes them)."""
+    from nsa_flex.ops.capped_launch import tma_descriptor
+
+    B, D = 1, 128
+    R, Hq = T * G, G * Hkv
+    q = torch.zeros(B, Hkv, R, D, dtype=dtype)
+    k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
+    do, dq = torch.zeros(B, T, Hq, D, dtype=dtype), torch.zeros_like(q)
+    lse, delta, gate = (torch.zeros(B, Hkv, R) for _ in range(3))
+    sel_rows = [torch.zeros(B, Hq, T) for _ in range(3)]
+    do_rows = (do.stride(0), G * do.stride(2), do.stride(1), do.stride(2))
+    args = (tma_descriptor(window_op._kv_tiles(k)), tma_descriptor(window_op._kv_tiles(v)), q, do, dq, lse, delta,
+            gate, *sel_rows, R, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e), *q.stride()[:3], *do_rows,
+            *sel_rows[0].stride())
+    return args, dict(G=G, BM=gluon_kernels.FWD_ROWS, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS,
+                      SEL=sel, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
+
+
+DQ_BUILDS = [(4, 64, "bfloat16"), (16, 64, "float16"), (4, 0, "bfloat16"), (1, 64, "bfloat16")]
+
+
 FWD_BUILDS = [(4, 64, "bfloat16", 128), (16, 64, "float16", 128), (4, 0, "bfloat16", 128), (1, 64, "bfloat16", 128),
               (4, 64, "bfloat16", 64)]
 
@@ -84,6 +107,10 @@ from test_window_gluon import FWD_BUILDS, _fwd_args
 for G, local, dtype, D in FWD_BUILDS:
     args, kwargs = _fwd_args(G, local, getattr(torch, dtype), D)
     got[repr(("fwd", G, local, dtype, D))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
+from test_window_gluon import DQ_BUILDS, _dq_args
+for G, sel, dtype in DQ_BUILDS:
+    args, kwargs = _dq_args(G, sel, getattr(torch, dtype))
+    got[repr(("dq", G, sel, dtype))] = build_sm90(gluon_kernels._dq_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -114,6 +141,19 @@ def test_fwd_gluon_builds_for_sm90(sm90_builds, G, local, dtype, D):
     got = sm90_builds[repr(("fwd", G, local, dtype, D))]
     assert got["registers"] <= gluon_kernels.FWD_MAXNREG, got
     assert got["spill_stores"] == 0, got
+    assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 2, got
+
+
+@needs_gluon
+@pytest.mark.parametrize("G, sel, dtype", DQ_BUILDS)
+def test_dq_gluon_builds_for_sm90(sm90_builds, G, sel, dtype):
+    """The warp-specialised dQ kernel compiles for Hopper at its cap of 128 registers a thread (split
+    between the loader warp and the warpgroup), spilling a few words at most (as built: 32 bytes at
+    G=4 with the local-slot term, 16 at G=1, none otherwise), within the shared memory of two
+    programs per SM (as built: 104 KB)."""
+    got = sm90_builds[repr(("dq", G, sel, dtype))]
+    assert got["registers"] <= gluon_kernels.FWD_MAXNREG, got
+    assert got["spill_stores"] <= 32, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 2, got
 
 
@@ -155,15 +195,16 @@ def test_dkdv_gluon_applies_only_where_written_for():
         assert not gluon_kernels.applies(x[..., :64], x[..., :64], 4)
 
 
-def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int):
+def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: str = "kv_gluon", pad: int = 0):
     """The window backward in the gated node's mode (gate, delta, dO unfolded; with sel, the local
-    slots' term) with the Gluon and the Triton dK/dV kernel, on one set of inputs."""
+    slots' term) with launch_config's `key` (kv_gluon: the dK/dV kernel; dq_gluon: the dQ kernel)
+    1 and 0, the other Gluon kernel off, on one set of inputs; q with `pad` rows past T * G."""
     D, W, L = 128, 512, 64
     R, Hq = T * G, Hkv * G
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, Hkv, R, D, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(1, Hkv, R + pad, D, device="cuda", generator=gen).to(dtype)
     k, v = (torch.randn(1, T, Hkv, D, device="cuda", generator=gen).to(dtype) for _ in range(2))
-    cfg = window_op.launch_config(D, D)
+    cfg = {**window_op.launch_config(D, D), "kv_gluon": 0, "dq_gluon": 0}
     o, lse, _, _ = window_op.forward(q, k, v, G, W, D ** -0.5, cfg, L)
     do = torch.randn(1, T, Hq, D, device="cuda", generator=gen).to(dtype)
     do_fold = do.view(1, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(1, Hkv, R, D)
@@ -172,7 +213,8 @@ def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int):
     by_head = lambda x: x.view(1, Hkv, T, G).permute(0, 1, 3, 2).reshape(1, Hq, T)  # noqa: E731
     sel_rows = (by_head(lse) / math.log2(math.e) + 0.3 * torch.rand(1, Hq, T, device="cuda", generator=gen),
                 0.7 * by_head(delta), torch.rand(1, Hq, T, device="cuda", generator=gen), L)
-    return [window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, {**cfg, "kv_gluon": use}, gate=gate, delta=delta, sel=sel_rows if sel else None) for use in (1, 0)]
+    return [window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, {**cfg, key: use}, gate=gate, delta=delta,
+                               sel=sel_rows if sel else None) for use in (1, 0)]
 
 
 def _plain_both(T: int, Hkv: int, G: int, dtype, seed: int):
@@ -220,8 +262,8 @@ def test_dkdv_gluon_plain_mode_equals_triton(T, Hkv, G, dtype):
     _compare(got, want, exact=True)
 
 
-def _compare(got, want, exact: bool):
-    for name, a, b in zip(("dq", "dk", "dv")[-len(got):], got, want):
+def _compare(got, want, exact: bool, names=None):
+    for name, a, b in zip(names or ("dq", "dk", "dv")[-len(got):], got, want):
         assert torch.isfinite(a).all(), name
         if exact:
             assert torch.equal(a, b), f"{name}: largest difference {(a.float() - b.float()).abs().max().item()}"
@@ -271,3 +313,24 @@ def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, D, local):
             assert (diff <= bound).all(), f"{name}: largest difference {diff.max()}, over by {(diff - bound).max()}"
         else:
             assert (diff <= 2.0 ** -16 * (1 + b.abs())).all(), f"{name}: largest difference {diff.max()}"
+
+
+@gpu
+@pytest.mark.parametrize("T, Hkv, G, dtype", [
+    (3001, 2, 2, torch.bfloat16), (1000, 2, 8, torch.bfloat16), (777, 3, 4, torch.float16), (130, 1, 4, torch.bfloat16),
+    (4099, 1, 16, torch.bfloat16), (2048, 2, 1, torch.float16), (5, 1, 4, torch.bfloat16)])
+@pytest.mark.parametrize("sel", [False, True], ids=["window", "local-slots"])
+def test_dq_gluon_against_triton(T, Hkv, G, dtype, sel):
+    """The gated node's dQ from the Gluon kernel against the Triton one's, on the same inputs (q with
+    pad rows past T * G, which get zeros in both). Both form dS from the same fp32 quantities, fused
+    differently, and round it to 16 bits for the dS K dot: a dS element may land on the neighbouring
+    16-bit value, a relative 2^-8 of it, and a dQ element sums ~(W + 64) of them: as for the dK/dV
+    kernel, the largest difference within 2^-7 of dQ's largest element and the relative L2
+    difference within 2^-10. dK and dV (the dK/dV kernel's, not this one's) equal."""
+    x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
+    if not gluon_kernels.applies(x, x, G):
+        pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
+    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, key="dq_gluon", pad=3)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), "dk, dv"
+    assert (got[0][:, :, T * G:] == 0).all(), "pad rows of dq"
+    _compare(got[:1], want[:1], exact=False, names=("dq",))

@@ -108,13 +108,15 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
 
     fwd_gluon: where gluon_kernels.forward_applies, the forward in Gluon, warp-specialised with
     TMA loads (its own 64-row tiles and 64-key blocks; docs/decisions.md, "The window branch").
+    dq_gluon: in the gated node's backward where gluon_kernels.applies, the dQ kernel in the
+    forward's form (gluon_kernels._dq_gluon_kernel).
     """
     if max(Dk, Dv) <= 64:
         return {"fwd_BM": 64, "fwd_BN": 32, "fwd_warps": 4, "fwd_stages": 3, "fwd_gluon": 0,
-                "dq_BM": 64, "dq_BN": 32, "dq_warps": 4, "dq_stages": 3,
+                "dq_BM": 64, "dq_BN": 32, "dq_warps": 4, "dq_stages": 3, "dq_gluon": 0,
                 "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1, "kv_gluon": 0}
     return {"fwd_BM": 64, "fwd_BN": 64, "fwd_warps": 4, "fwd_stages": 2, "fwd_gluon": 1,
-            "dq_BM": 64, "dq_BN": 64, "dq_warps": 4, "dq_stages": 2,
+            "dq_BM": 64, "dq_BN": 64, "dq_warps": 4, "dq_stages": 2, "dq_gluon": 1,
             "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2, "kv_gluon": 1}
 
 
@@ -143,13 +145,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
         return o, lse, o_loc, lse_loc
     if cfg.get("fwd_gluon") and gluon_kernels.forward_applies(q, v, group, local_block):
         # Inductor cannot launch a Gluon kernel: the opaque op does, making the TMA descriptors.
-        BM, BN, D = gluon_kernels.FWD_ROWS, gluon_kernels.FWD_KEYS, Dk
+        BM, D = gluon_kernels.FWD_ROWS, Dk
         Rq = q.shape[2]
-        kv_view = lambda x: TmaView(x, (B * T, Hkv * D), (Hkv * D, 1), (BN, D))  # noqa: E731
         launch(gluon_kernels._fwd_gluon_kernel, (-(-R // BM), B * Hkv),
-               TmaView(q, (B * Hkv * Rq, D), (D, 1), (BM, D)), kv_view(k), kv_view(v), o, lse, o_loc, lse_loc,
+               TmaView(q, (B * Hkv * Rq, D), (D, 1), (BM, D)), _kv_tiles(k), _kv_tiles(v), o, lse, o_loc, lse_loc,
                T, R, Rq, Hkv, window, scale * math.log2(math.e), writes=(o, lse, o_loc, lse_loc), opaque=True,
-               G=group, BM=BM, BN=BN, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block, num_warps=4,
+               G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block, num_warps=4,
                maxnreg=gluon_kernels.FWD_MAXNREG)
         return o, lse, o_loc, lse_loc
     BM = cfg["fwd_BM"]
@@ -159,6 +160,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
         LOCAL=local_block, CROSS=bool(local_block) and tiles_cross(group, local_block, BM), F32_DOT=not q.is_cuda,
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return o, lse, o_loc, lse_loc
+
+
+def _kv_tiles(x: Tensor) -> TmaView:
+    """k or v [B, T, Hkv, D] (contiguous) as the Gluon kernels' TMA loads read it: [B*T, Hkv*D] in
+    tiles of FWD_KEYS keys of one kv head."""
+    B, T, Hkv, D = x.shape
+    return TmaView(x, (B * T, Hkv * D), (Hkv * D, 1), (gluon_kernels.FWD_KEYS, D))
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
@@ -215,11 +223,19 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     scale2 = scale * math.log2(math.e)
     common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
               *o.stride()[:3], *do_rows, *sel_strides)
-    BM = cfg["dq_BM"]
-    wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
-        q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, q.shape[2], *common, G=group, BM=BM, BN=cfg["dq_BN"],
-        DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda, num_warps=cfg["dq_warps"],
-        num_stages=cfg["dq_stages"])
+    if gated and T > 0 and cfg.get("dq_gluon") and gluon_kernels.applies(q, v, group):
+        # The gated node's dQ in the Gluon forward's form (the opaque op makes the descriptors).
+        BM = gluon_kernels.FWD_ROWS
+        launch(gluon_kernels._dq_gluon_kernel, (-(-q.shape[2] // BM), B * Hkv), _kv_tiles(k), _kv_tiles(v), q, do, dq,
+               lse, delta, gate, *sel_args, q.shape[2], T, R, Hkv, window, scale, scale2, *q.stride()[:3], *do_rows,
+               *sel_strides, writes=(dq,), opaque=True, G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=Dk,
+               NB=gluon_kernels.FWD_BUFFERS, SEL=sel_block, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
+    else:
+        BM = cfg["dq_BM"]
+        wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
+            q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, q.shape[2], *common, G=group, BM=BM,
+            BN=cfg["dq_BN"], DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda,
+            num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
     if T == 0:
         return dq, dk, dv
     kv_args = (q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, *common)

@@ -81,14 +81,11 @@ if HAS_GLUON:
         return kb
 
     @gluon.jit
-    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, k_row, k_col,
-                    start0, n_first, first, n_blocks, BN: gl.constexpr):
-        """The loader warp: the tile's query rows, then each block's K and V into the ring as its
-        buffers come free. K / V of kv head h are columns h*D.. of k viewed as [B*T, Hkv*D]; rows
-        past a batch row's last token are the next row's (or TMA's zeros past the end), which
-        the diagonal's mask hides."""
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, ready, empty, k_row, k_col, start0, n_first, first, n_blocks,
+                   BN: gl.constexpr):
+        """Each block's K and V (_fwd_block's order) into the ring as its buffers come free. K / V
+        of kv head h are columns h*D.. of k viewed as [B*T, Hkv*D]; rows past a batch row's last
+        token are the next row's (or TMA's zeros past the end), which the diagonal's mask hides."""
         NB: gl.constexpr = k_bufs.type.shape[0]
         for i in range(n_blocks):
             idx = i % NB
@@ -98,6 +95,14 @@ if HAS_GLUON:
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + kb, k_col], bar, k_bufs.index(idx))
             tma.async_copy_global_to_shared(v_desc, [k_row + kb, k_col], bar, v_bufs.index(idx))
+
+    @gluon.jit
+    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, k_row, k_col,
+                    start0, n_first, first, n_blocks, BN: gl.constexpr):
+        """The forward's loader warp: the tile's query rows, then the K / V ring (_kv_loader)."""
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+        _kv_loader(k_desc, v_desc, k_bufs, v_bufs, ready, empty, k_row, k_col, start0, n_first, first, n_blocks, BN)
 
     @gluon.jit
     def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, kb, acc, m_i, l_i, tok, t0, t1, W, scale2,
@@ -217,6 +222,114 @@ if HAS_GLUON:
                              W, scale2, start0, n_first, first, n_blocks, G, BM, BN, D, LOCAL)),
             (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, bh * Rq + row0,
                            b * T, h * D, start0, n_first, first, n_blocks, BN)),
+        ], [1], [24])
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, bh, b, h, row0, R,
+                     RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg,
+                     s_lb, s_lh, s_lt, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                     SEL: gl.constexpr):
+        """The dQ warpgroup: the tile's q and dO rows into shared memory, then per key block S = q K^T
+        and dP = dO V^T (both issued before either is waited for), dS in fp32 and dQ += dS K (dS
+        from registers); the block's buffers go back to the loader once its dQ dot is done."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BN, 16])
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        a_q: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        NB: gl.constexpr = k_bufs.type.shape[0]
+        dtype: gl.constexpr = Q.dtype.element_ty
+        sc = gl.cast(scale, gl.float32)
+        sc2 = gl.cast(scale2, gl.float32)
+        r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        r64 = r.to(gl.int64)
+        # Rows past R (a folded q's pad rows) are zeros, so their P, dS and dQ are too.
+        ok = (r < R)[:, None]
+        q = gl.load(Q + b * s_qb + h * s_qh + r64[:, None] * s_qr + c[None, :], mask=ok, other=0.0)
+        do = gl.load(DO + b * s_db + h * s_dh + (r64 // G)[:, None] * s_dt + (r64 % G)[:, None] * s_dg + c[None, :],
+                     mask=ok, other=0.0)
+        q_smem.store(q)
+        do_smem.store(do)
+        fence_async_shared()
+        gl.thread_barrier()
+        rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        tok = rs // G
+        lse2, delta, gw, lse_s2, delta_s, gs = _row_stats(LSE, DELTA, GW, LSES, DELTAS, GS, bh, b, h, rs, rs < R, R,
+                                                          s_lb, s_lh, s_lt, G, True, SEL)
+        dq = gl.zeros([BM, D], gl.float32, layout=q_layout)
+        s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+        for i in range(n_blocks):
+            kb = first + i * BN
+            idx = i % NB
+            mbarrier.wait(ready.index(idx), (i // NB) & 1)
+            k_buf = k_bufs.index(idx)
+            s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_smem, v_bufs.index(idx).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            s = s * sc2
+            p = gl.exp2(s - lse2[:, None])
+            keys = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            if (kb + BN - 1 > t0) | (kb <= t1 - W):
+                seen = (keys[None, :] <= tok[:, None]) & (keys[None, :] > tok[:, None] - W)
+                p = gl.where(seen, p, 0.0)
+            p = p * gw[:, None]
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+            if SEL > 0:
+                if kb >= lo:
+                    # The selected branch's term over each row's local keys (kernels._dq_step).
+                    local = (keys[None, :] <= tok[:, None]) & (keys[None, :] >= ((tok // SEL - 1) * SEL)[:, None])
+                    ps = gl.where(local, gl.exp2(s - lse_s2[:, None]), 0.0) * gs[:, None]
+                    ds = (p + ps) * dp - (p * delta[:, None] + ps * delta_s[:, None])
+                else:
+                    ds = p * (dp - delta[:, None])
+            else:
+                ds = p * (dp - delta[:, None])
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_q), k_buf, dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            mbarrier.arrive(empty.index(idx), count=1)
+        dq_st = gl.convert_layout((dq * sc).to(DQ.dtype.element_ty), ld)
+        gl.store(DQ + (bh.to(gl.int64) * RQ + r64)[:, None] * D + c[None, :], dq_st, mask=(r < RQ)[:, None])
+
+    @gluon.jit
+    def _dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, RQ, T, R, Hkv, W, scale,
+                         scale2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                         G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
+                         SEL: gl.constexpr):
+        """dQ [B, Hkv, RQ, D] (contiguous; zero at rows R .. RQ - 1) of the BM-row tile program_id(0) of
+        (b, kv head) program_id(1), as kernels._dq_kernel gives it in the gated node's mode (GATED:
+        DO the gated sum's output gradient by (s_db, s_dh, s_dt, s_dg), GW the window's gate and
+        DELTA its delta per row; SEL as there). k_desc / v_desc: k, v as [B*T, Hkv*D] in [BN, D]
+        tiles. 4 warps and a loader warp."""
+        bh = gl.program_id(1)
+        b = bh // Hkv
+        h = bh % Hkv
+        row0 = gl.program_id(0) * BM
+        t0 = row0 // G
+        t1 = gl.minimum((row0 + BM - 1) // G, T - 1)
+        first = (gl.maximum(t0 - W + 1, 0) // BN) * BN
+        n_blocks = gl.maximum(gl.cdiv(t1 + 1 - first, BN), 0)
+        lo = first
+        if SEL > 0:
+            # From the key block of the tile's first local key on, the selected term too.
+            lo = gl.maximum((gl.maximum((t0 // SEL - 1) * SEL, 0) // BN) * BN, first)
+        rows_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], Q.dtype.element_ty)
+        q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BM, D], rows_layout)
+        do_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BM, D], rows_layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NB] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NB] + v_desc.block_type.shape, v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NB):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, bh,
+                            b.to(gl.int64), h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, s_qb, s_qh,
+                            s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, D, SEL)),
+            (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * T, h * D, first, n_blocks, first,
+                          n_blocks, BN)),
         ], [1], [24])
 
     @gluon.jit
