@@ -109,7 +109,8 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     fwd_gluon: where gluon_kernels.forward_applies, the forward in Gluon, warp-specialised with
     TMA loads (its own 64-row tiles and 64-key blocks; docs/decisions.md, "The window branch").
     dq_gluon: in the gated node's backward where gluon_kernels.applies, the dQ kernel in the
-    forward's form (gluon_kernels._dq_gluon_kernel).
+    forward's form (gluon_kernels._dq_gluon_kernel): in the compiled op 0.97 against 1.09 ms at
+    T=64k, G=4 and 3.53 against 4.42 at G=16 (H100).
     """
     if max(Dk, Dv) <= 64:
         return {"fwd_BM": 64, "fwd_BN": 32, "fwd_warps": 4, "fwd_stages": 3, "fwd_gluon": 0,

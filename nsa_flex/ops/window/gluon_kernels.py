@@ -8,6 +8,12 @@ the loads never wait on the softmax. Its sums run in another order than the Trit
 P V dot accumulates into the rescaled output), so o and lse agree with it to rounding, not bit
 for bit.
 
+_dq_gluon_kernel is the gated node's dQ (kernels._dq_kernel with GATED) in the same form: the
+loader warp's ring of K / V blocks, and a warpgroup that stages its tile's q and dO rows in shared
+memory once, issues S = q K^T and dP = dO V^T together per block and adds dS K from registers.
+Without the local-slot term its dQ equals the Triton kernel's bit for bit; with it dS comes from
+differently fused fp32 arithmetic, as in the dK/dV kernel.
+
 _dkdv_gluon_kernel does kernels._dkdv_kernel's work (one program per key block, walking the row
 tiles that see it; the gated and local-slot terms) in another schedule. The Triton kernel holds
 K, V, P and dS in registers with 4 warps and 64-row tiles (255 registers with spills at D = 128,
@@ -20,7 +26,7 @@ Same products, each summed in the same order (a 128-row dot adds its rows as two
 do), so without the local-slot term dK and dV equal the Triton kernel's bit for bit; with it dS
 comes from differently fused fp32 arithmetic and may differ in its last bit. Gluon kernels do not
 run under Triton's CPU interpreter: the CPU tests build this for sm_90a and interpret its Triton
-twin; the GPU tests compare the two. (The dQ kernel in the same form was slower than the Triton
+twin; the GPU tests compare the two. (A dQ kernel in that form was slower than the Triton
 one: docs/decisions.md, "The window branch".)
 """
 
