@@ -87,6 +87,16 @@ if HAS_GLUON:
         return kb
 
     @gluon.jit
+    def _tile_band(T, Hkv, W, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """(bh, b, kv head h, first row, first token t0, last token t1 < T, first key block of the
+        band) of the BM-row tile program_id(0) of (b, h) = program_id(1)."""
+        bh = gl.program_id(1)
+        row0 = gl.program_id(0) * BM
+        t0 = row0 // G
+        t1 = gl.minimum((row0 + BM - 1) // G, T - 1)
+        return bh, bh // Hkv, bh % Hkv, row0, t0, t1, (gl.maximum(t0 - W + 1, 0) // BN) * BN
+
+    @gluon.jit
     def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, ready, empty, k_row, k_col, start0, n_first, first, n_blocks,
                    BN: gl.constexpr):
         """Each block's K and V (_fwd_block's order) into the ring as its buffers come free. K / V
@@ -199,13 +209,7 @@ if HAS_GLUON:
         program_id(1), as kernels._fwd_kernel gives them (no tile may cross a selection block:
         forward_applies). q_desc: folded q as [B*Hkv*Rq, D] in [BM, D] tiles; k_desc / v_desc: k, v
         as [B*T, Hkv*D] in [BN, D] tiles. 4 warps and a loader warp."""
-        bh = gl.program_id(1)
-        b = bh // Hkv
-        h = bh % Hkv
-        row0 = gl.program_id(0) * BM
-        t0 = row0 // G
-        t1 = gl.minimum((row0 + BM - 1) // G, T - 1)
-        first = (gl.maximum(t0 - W + 1, 0) // BN) * BN
+        bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, G, BM, BN)
         start0 = first
         if LOCAL > 0:
             # The local blocks (the token's own and the one before) lead, so their softmax is the
@@ -308,13 +312,7 @@ if HAS_GLUON:
         DO the gated sum's output gradient by (s_db, s_dh, s_dt, s_dg), GW the window's gate and
         DELTA its delta per row; SEL as there). k_desc / v_desc: k, v as [B*T, Hkv*D] in [BN, D]
         tiles. 4 warps and a loader warp."""
-        bh = gl.program_id(1)
-        b = bh // Hkv
-        h = bh % Hkv
-        row0 = gl.program_id(0) * BM
-        t0 = row0 // G
-        t1 = gl.minimum((row0 + BM - 1) // G, T - 1)
-        first = (gl.maximum(t0 - W + 1, 0) // BN) * BN
+        bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, G, BM, BN)
         n_blocks = gl.maximum(gl.cdiv(t1 + 1 - first, BN), 0)
         lo = first
         if SEL > 0:
