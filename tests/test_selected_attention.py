@@ -577,6 +577,24 @@ def test_op_forces_kernels_on_cpu():
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
+@interpreter
+def test_op_kernels_on_an_empty_sequence():
+    """T = 0 on the kernel path gives what the twin gives (empty outputs and gradients, no error), and
+    forward(keep_index=True) an index of the shapes its fake declares (saved_index_shapes)."""
+    cfg = make_config(2, 32, 32, 4, 16)
+    q, k, v, do = make_inputs(1, 0, cfg, torch.float32)
+    bi = torch.empty(1, 2, 0, 4, dtype=torch.int64)
+    got = run_op(q, k, v, do, bi, cfg, "triton")
+    for x, y in zip(got, run_op(q, k, v, do, bi, cfg, "torch")):
+        assert x.shape == y.shape and x.numel() == 0
+    o, lse, index = launch.forward(q, k, v, bi.int(), None, 32 ** -0.5, 16, keep_index=True)
+    assert o.shape == (1, 0, 4, 32) and lse.shape == (1, 4, 0)
+    want = launch.saved_index_shapes(1, 0, 2, 4, 16, q, k, v)
+    assert [tuple(x.shape) for x in index] == [tuple(w) for w in want]
+    dq, dk, dv = launch.backward(do, q, k, v, o, lse, bi.int(), None, 32 ** -0.5, 16, index=index)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
 # ----- CUDA (the lead's GPU machine) -----
 
 GPU_CASES = [

@@ -39,17 +39,27 @@ def tma_descriptor(view: TmaView):
     """The Hopper TensorDescriptor of view, with the shared-memory layout Gluon picks for its block.
     TMA needs a 16-byte aligned base: a tensor that starts elsewhere (a view at an odd offset) is
     copied first, same values."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtypes = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
     t = view.tensor
-    if t.dtype not in dtypes:
-        raise TypeError(f"TMA view of a {t.dtype} tensor; allowed: {', '.join(map(str, dtypes))}")
+    if t.dtype not in _TMA_DTYPES:
+        raise TypeError(f"TMA view of a {t.dtype} tensor; allowed: {', '.join(map(str, _TMA_DTYPES))}")
     if t.data_ptr() % 16:
         t = t.clone()
-    layout = gl.NVMMASharedLayout.get_default_for(list(view.block), dtypes[t.dtype])
-    return TensorDescriptor(t, list(view.shape), list(view.strides), list(view.block), layout)
+    return TensorDescriptor(t, list(view.shape), list(view.strides), list(view.block),
+                            _tma_layout(tuple(view.block), t.dtype))
+
+
+_TMA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _tma_layout(block: tuple, dtype: torch.dtype):
+    """The shared-memory layout Gluon picks for a TMA tile (made once per tile and dtype: launches
+    make descriptors on every call)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, str(dtype).removeprefix("torch.")))
 
 
 def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> None:
@@ -60,8 +70,8 @@ def launch(kernel, grid, *args, writes=(), opaque: bool = False, **kwargs) -> No
     cannot read the kernel's name, so the launch stays a wrap_triton one, uncapped.
 
     kernel: a module-level @triton.jit (or @gluon.jit) function. args: tensors, TmaView (opaque
-    launches only), None, bools, ints and floats. opaque: through the opaque op even without a cap (a Gluon kernel, which Inductor
-    cannot launch).
+    launches only), None, bools, ints and floats. opaque: through the opaque op even without a
+    cap (a Gluon kernel, which Inductor cannot launch).
     writes: the tensors among args that the kernel stores to (a capped launch declares them to
     torch.library; the other tensors are only read). kwargs: constexprs and launch options, all
     plain values (bool, int, float, str, None); maxnreg 0 or None means no cap.

@@ -117,13 +117,14 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, tiles: dict | None = None) -> int:
     """Tokens per range: the partial buffer [B, range, Hq, n, D] within PARTIAL_BYTES, a multiple
-    of 64 tokens (at least 64), or all T when that fits. tiles["range_tokens"] > 0 overrides."""
+    of 64 tokens (at least 64), or all T when that fits (at least 1: T = 0 has no ranges).
+    tiles["range_tokens"] > 0 overrides."""
     fixed = (tiles or {}).get("range_tokens", 0)
     if fixed:
         return max(1, min(T, int(fixed)))
     per_token = B * Hq * n * D * partial_dtype(dtype).itemsize
     fit = PARTIAL_BYTES // max(1, per_token)
-    return T if fit >= T else max(64, fit // 64 * 64)
+    return max(1, T) if fit >= T else max(64, fit // 64 * 64)
 
 
 def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int,
@@ -262,7 +263,7 @@ def _unpack(saved: SavedIndex, i: int, t0: int, t1: int) -> SelectionIndex:
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0,
             local=None, keep_index: bool = False, unique: bool = False):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path; with
-    keep_index (T > 0) also the ranges' SavedIndex, which backward(index=) takes instead of
+    keep_index also the ranges' SavedIndex, which backward(index=) takes instead of
     building the index again.
 
     q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads). local:
@@ -281,8 +282,9 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
         indices.append(index)
     if not keep_index:
         return o, lse
-    if not indices:
-        raise ValueError("forward: keep_index needs T > 0")
+    if not indices:  # T = 0: no ranges, an index of saved_index_shapes' empty shapes
+        shapes = saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, q_heads)
+        return o, lse, SavedIndex(*(torch.zeros(shape, dtype=torch.int32, device=q.device) for shape in shapes))
     return o, lse, _pack(indices)
 
 

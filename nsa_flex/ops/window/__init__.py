@@ -151,8 +151,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
         launch(gluon_kernels._fwd_gluon_kernel, (-(-R // BM), B * Hkv),
                TmaView(q, (B * Hkv * Rq, D), (D, 1), (BM, D)), _kv_tiles(k), _kv_tiles(v), o, lse, o_loc, lse_loc,
                T, R, Rq, Hkv, window, scale * math.log2(math.e), writes=(o, lse, o_loc, lse_loc), opaque=True,
-               G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block, num_warps=4,
-               maxnreg=gluon_kernels.FWD_MAXNREG)
+               G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block,
+               num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
         return o, lse, o_loc, lse_loc
     BM = cfg["fwd_BM"]
     wrap_triton(kernels._fwd_kernel)[(-(-R // BM), B * Hkv)](

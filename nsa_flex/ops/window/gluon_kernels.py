@@ -235,10 +235,10 @@ if HAS_GLUON:
         ], [1], [24])
 
     @gluon.jit
-    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, bh, b, h, row0, R,
-                     RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg,
-                     s_lb, s_lh, s_lt, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                     SEL: gl.constexpr):
+    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS,
+                     bh, b, h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, s_qb, s_qh, s_qr,
+                     s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                     D: gl.constexpr, SEL: gl.constexpr):
         """The dQ warpgroup: the tile's q and dO rows into shared memory, then per key block S = q K^T
         and dP = dO V^T (both issued before either is waited for), dS in fp32 and dQ += dS K (dS
         from registers); the block's buffers go back to the loader once its dQ dot is done."""
@@ -329,9 +329,9 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, bh,
-                            b.to(gl.int64), h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, s_qb, s_qh,
-                            s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, D, SEL)),
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS,
+                            GS, bh, b.to(gl.int64), h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks,
+                            s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, D, SEL)),
             (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * T, h * D, first, n_blocks, first,
                           n_blocks, BN)),
         ], [1], [24])
