@@ -55,24 +55,25 @@ FWD_MAXNREG = 128
 rest to the consumer warpgroup (two programs per SM)."""
 
 
-def applies(q: torch.Tensor, v: torch.Tensor, group: int) -> bool:
-    """Whether the Gluon dK/dV kernel can run: Hopper (sm_90), 16-bit, Dk = Dv = 128, G a power of
-    two (the groups the GPU tests compared with the Triton kernel), not traced by Dynamo itself
-    (Inductor cannot launch a Gluon kernel; the ops' bodies run below Dynamo)."""
-    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
-            and v.shape[-1] == 128 and group & (group - 1) == 0 and _capability(q.device.index) == (9, 0)
+def _runs_on(q: torch.Tensor, v: torch.Tensor, group: int, head_dims: tuple[int, ...]) -> bool:
+    """Hopper (sm_90), 16-bit, Dk = Dv in head_dims, G a power of two (the groups the GPU tests
+    compared with the Triton kernels), not traced by Dynamo itself (Inductor cannot launch a Gluon
+    kernel; the ops' bodies run below Dynamo)."""
+    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in head_dims
+            and v.shape[-1] == q.shape[-1] and group & (group - 1) == 0 and _capability(q.device.index) == (9, 0)
             and not torch.compiler.is_dynamo_compiling())
 
 
+def applies(q: torch.Tensor, v: torch.Tensor, group: int) -> bool:
+    """Whether the Gluon dK/dV and dQ kernels can run: _runs_on at Dk = Dv = 128."""
+    return _runs_on(q, v, group, (128,))
+
+
 def forward_applies(q: torch.Tensor, v: torch.Tensor, group: int, local_block: int) -> bool:
-    """Whether the Gluon forward can run: Hopper (sm_90), 16-bit, Dk = Dv of 64 or 128, G a power of
-    two, not traced by Dynamo itself; with a local partial its 64-row tiles never hold tokens of two
-    selection blocks (l' a multiple of 64 / G)."""
-    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
-            and v.shape[-1] == q.shape[-1] and group & (group - 1) == 0 and _capability(q.device.index) == (9, 0)
-            and not torch.compiler.is_dynamo_compiling()
-            and (local_block == 0 or (group <= FWD_ROWS and local_block % FWD_KEYS == 0
-                                      and local_block % (FWD_ROWS // group) == 0)))
+    """Whether the Gluon forward can run: _runs_on at Dk = Dv of 64 or 128, and with a local partial
+    its 64-row tiles never hold tokens of two selection blocks (l' a multiple of 64 / G)."""
+    return _runs_on(q, v, group, (64, 128)) and (local_block == 0 or (
+        group <= FWD_ROWS and local_block % FWD_KEYS == 0 and local_block % (FWD_ROWS // group) == 0))
 
 
 if HAS_GLUON:
@@ -124,11 +125,10 @@ if HAS_GLUON:
     def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, kb, acc, m_i, l_i, tok, t0, t1, W, scale2,
                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
         """Block i (keys kb..) into the online softmax (base 2), as kernels._fwd_step: only the
-        blocks the window's start or the diagonal cut are masked."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, D, 16])
+        blocks the window's start or the diagonal cut are masked. The layouts are the consumer's:
+        rows (tok) slice the scores', acc is the output's."""
+        s_layout: gl.constexpr = tok.type.layout.parent
+        o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         NB: gl.constexpr = k_bufs.type.shape[0]
         idx = i % NB
@@ -156,13 +156,10 @@ if HAS_GLUON:
         return acc, m_new, l_i
 
     @gluon.jit
-    def _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+    def _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM: gl.constexpr, D: gl.constexpr):
         """o = acc / l (16-byte stores) and lse = m + log2(l) of the tile's rows below R; O
-        [B, Hkv, R, D] and LSE [B, Hkv, R] contiguous."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, D, 16])
+        [B, Hkv, R, D] and LSE [B, Hkv, R] contiguous (layouts: the consumer's)."""
+        o_layout: gl.constexpr = acc.type.layout
         st: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         # Every real row sees its own key, so l > 0 there; pad rows are not stored.
         l_safe = gl.where(l_i > 0, l_i, 1.0)
@@ -171,7 +168,7 @@ if HAS_GLUON:
         r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, st))
         gl.store(O + (bh.to(gl.int64) * R + r)[:, None] * D + c[None, :], o, mask=(r < R)[:, None])
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        rows = row0 + gl.arange(0, BM, layout=m_i.type.layout)
         gl.store(LSE + bh.to(gl.int64) * R + rows, m_i + gl.log2(l_safe), mask=rows < R)
 
     @gluon.jit
@@ -194,11 +191,11 @@ if HAS_GLUON:
             acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, start0 + i * BN, acc, m_i, l_i, tok,
                                       t0, t1, W, sc2, BM, BN, D)
         if LOCAL > 0:
-            _fwd_store(O_LOC, LSE_LOC, acc, m_i, l_i, bh, row0, R, BM, BN, D)
+            _fwd_store(O_LOC, LSE_LOC, acc, m_i, l_i, bh, row0, R, BM, D)
         for i in range(n_first, n_blocks):
             acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, first + (i - n_first) * BN, acc, m_i,
                                       l_i, tok, t0, t1, W, sc2, BM, BN, D)
-        _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, BN, D)
+        _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, D)
 
     @gluon.jit
     def _fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Rq, Hkv, W, scale2,
