@@ -28,9 +28,9 @@ OUTPUTS = {"_fwd_kernel": {"po": 3, "plse": 4},
 TWINS = {"_fwd_kernel": "_fwd_gluon_kernel", "_bwd_kernel": "_bwd_gluon_kernel"}
 
 
-def capture(B: int, T: int, Hq: int, Hkv: int, D: int, device: str, gated: bool):
+def capture(B: int, T: int, Hq: int, Hkv: int, D: int, device: str, gated: bool, tiles: dict | None = None):
     """[(kernel name, grid, args, kwargs)] of the op's forward and backward on random inputs, with
-    the Triton kernels (the Gluon ones turned off)."""
+    the Triton kernels (the Gluon ones turned off; tiles: other launch settings)."""
     from nsa_flex.bench.selected import random_selection
     from nsa_flex.config import NSAConfig
 
@@ -41,7 +41,7 @@ def capture(B: int, T: int, Hq: int, Hkv: int, D: int, device: str, gated: bool)
     k, v = rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)
     selection = random_selection(B, Hkv, T, cfg, device)
     gate = torch.rand(B, Hq, T, device=device, generator=gen) if gated else None
-    tiles = {"bwd_gluon": 0, "fwd_gluon": 0}
+    tiles = {**(tiles or {}), "bwd_gluon": 0, "fwd_gluon": 0}
     calls = []
     saved = launch.launch
 
@@ -93,19 +93,19 @@ def run(name: str, grid, args, kwargs, gluon: bool, cap: bool = True):
         getattr(kernels, name)[grid](*args, **kw)
 
 
-def compare(shape: str, gated: bool) -> list[dict]:
+def compare(shape: str, gated: bool, tiles: dict | None = None) -> list[dict]:
     import triton
 
     from bench.common import parse_shape
 
     rows = []
-    calls = capture(*parse_shape(shape), "cuda", gated)
+    calls = capture(*parse_shape(shape), "cuda", gated, tiles)
     for name in OUTPUTS:
         mine = [c for c in calls if c[0] == name]
         variants = [("triton", False, True), ("gluon", True, True)]
         if name == "_fwd_kernel":
             variants.append(("gluon_uncapped", True, False))
-        row = {"shape": shape, "gated": gated, "kernel": name, "launches": len(mine)}
+        row = {"shape": shape, "gated": gated, "tiles": tiles or {}, "kernel": name, "launches": len(mine)}
         for label, gluon, cap in variants:
             total, worst = 0.0, {}
             for _, grid, a, kw in mine:
@@ -127,23 +127,23 @@ def compare(shape: str, gated: bool) -> list[dict]:
     return rows
 
 
-def compile_sm90() -> None:
+def compile_sm90(shapes: list[str], tiles: dict | None = None) -> None:
     """Build both Gluon kernels for sm_90a without a GPU from a CPU capture's arguments; print
     registers, spills and shared memory."""
     from bench.common import parse_shape
     from bench.kernel_regs import Compiler
 
     comp = Compiler()
-    for shape in ("1:65536:16:4:128", "1:2048:64:4:128"):
+    for shape in shapes:
         B, T, Hq, Hkv, D = parse_shape(shape)
         seen = set()
-        for name, grid, args, kw in capture(B, min(T, 2048), Hq, Hkv, D, "cpu", gated=False):
+        for name, grid, args, kw in capture(B, min(T, 2048), Hq, Hkv, D, "cpu", gated=False, tiles=tiles):
             if name in seen:
                 continue
             seen.add(name)
             kw = {k: v for k, v in kw.items() if k != "num_stages"}
             comp(getattr(gluon_kernels, TWINS[name]))[grid](*args, **kw)
-            print({"shape": shape, **comp.rows[-1]}, flush=True)
+            print({"shape": shape, "tiles": tiles or {}, **comp.rows[-1]}, flush=True)
 
 
 def main() -> None:
@@ -151,19 +151,23 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", nargs="+", default=["1:65536:16:4:128", "1:16384:16:4:128", "1:65536:64:4:128"])
     p.add_argument("--compile", action="store_true", help="build for sm_90a without a GPU and print resources")
+    p.add_argument("--tiles", nargs="*", default=["{}"],
+                   help='launch settings to compare under, each a JSON dict (e.g. \'{"bwd_BT": 32, "bwd_warps": 8}\')')
     args = p.parse_args()
+    variants = [json.loads(t) for t in args.tiles]
     if args.compile:
-        compile_sm90()
+        for tiles in variants:
+            compile_sm90(args.shapes, tiles)
         return
     from bench.common import header
 
     out = {"header": header(), "rows": []}
     for shape in args.shapes:
-        for gated in (False, True):
+        for tiles, gated in ((t, g) for t in variants for g in (False, True)):
             try:
-                out["rows"] += compare(shape, gated)
+                out["rows"] += compare(shape, gated, tiles)
             except Exception as exc:  # one failing shape must not lose the others
-                out["rows"].append({"shape": shape, "gated": gated, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+                out["rows"].append({"shape": shape, "gated": gated, "tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
                 print(out["rows"][-1], flush=True)
             if args.out:
                 with open(args.out, "w") as f:

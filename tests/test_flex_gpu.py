@@ -90,6 +90,8 @@ CASES = [
     # G not a power of two: the window op's row tiles cross selection blocks, its local partial walks a loop more.
     pytest.param(3, 2, 128, 128, 1111, 1, BF16, 16, 512, id="G3-D128-T1111-bf16"),
     pytest.param(6, 1, 64, 64, 1500, 1, FP16, 16, 256, id="G6-D64-T1500-fp16"),
+    # seeds-125m's heads (Dk = Dv = 64, G=4, 16-bit): the selected op's Gluon kernels on Hopper.
+    pytest.param(4, 3, 64, 64, 1337, 1, BF16, 16, 512, id="G4-D64-T1337-bf16"),
 ]
 
 

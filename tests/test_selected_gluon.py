@@ -23,11 +23,13 @@ needs_gluon = pytest.mark.skipif(not gluon_kernels.HAS_GLUON, reason="needs Trit
 
 
 def _bwd_args(G: int, gated: bool, dtype=torch.bfloat16, modes=(False, False, False), T: int = 256, Hkv: int = 2,
-              n: int = 16):
+              n: int = 16, D: int = 128):
     """Grid, positional and constexpr arguments of one launch on CPU tensors of real dtypes and
-    strides (modes: SUMS, ADD, ACC)."""
-    B, D, BL = 1, 128, 64
-    Hq, BT = G * Hkv, gluon_kernels.BWD_ROWS // G
+    strides (modes: SUMS, ADD, ACC), in the chunks launch_config gives head dim D."""
+    B, BL = 1, 64
+    rows = launch.launch_config(G, D, D, dtype)["bwd_BT"] * G
+    assert rows in gluon_kernels.BWD_ROWS
+    Hq, BT = G * Hkv, rows // G
     q, do = torch.zeros(B, T, Hq, D, dtype=dtype), torch.zeros(B, T, Hq, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
     lse, delta, gate = (torch.zeros(B, Hq, T) for _ in range(3))
@@ -45,12 +47,13 @@ def _bwd_args(G: int, gated: bool, dtype=torch.bfloat16, modes=(False, False, Fa
             *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3])
     sums, add, acc = modes
     return (W,), args, dict(N=n, G=G, GP=G, BT=BT, BL=BL, DK=D, DKP=D, DV=D, DVP=D, F32_DOT=False, IEEE=False,
-                            SUMS=sums, ADD=add, ACC=acc, GATED=gated, num_warps=8)
+                            SUMS=sums, ADD=add, ACC=acc, GATED=gated, num_warps=rows // 16)
 
 
-def _fwd_args(G: int, dtype=torch.bfloat16, capped: bool = True, T: int = 256, Hkv: int = 2, n: int = 16):
+def _fwd_args(G: int, dtype=torch.bfloat16, capped: bool = True, T: int = 256, Hkv: int = 2, n: int = 16,
+              D: int = 128):
     """Grid, positional and constexpr arguments of one forward launch on CPU tensors."""
-    B, D, BL = 1, 128, 64
+    B, BL = 1, 64
     Hq, BT = G * Hkv, gluon_kernels.FWD_ROWS // G
     q = torch.zeros(B, T, Hq, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
@@ -65,9 +68,10 @@ def _fwd_args(G: int, dtype=torch.bfloat16, capped: bool = True, T: int = 256, H
                             num_warps=4, **({"maxnreg": 168} if capped else {}))
 
 
-FWD_BUILDS = [(4, True), (16, False)]
-BWD_BUILDS = [(4, False, "bfloat16", (False, False, False)), (4, True, "bfloat16", (True, True, True)),
-              (16, False, "float16", (True, False, False))]
+FWD_BUILDS = [(4, True, 128), (16, False, 128), (4, False, 64)]
+BWD_BUILDS = [(4, False, "bfloat16", (False, False, False), 128), (4, True, "bfloat16", (True, True, True), 128),
+              (16, False, "float16", (True, False, False), 128), (4, False, "bfloat16", (True, False, False), 64),
+              (4, True, "bfloat16", (True, True, True), 64)]
 
 _BUILD = """
 import json, torch
@@ -75,12 +79,12 @@ from bench.kernel_regs import build_sm90
 from nsa_flex.ops.selected_attention import gluon_kernels
 from test_selected_gluon import BWD_BUILDS, FWD_BUILDS, _bwd_args, _fwd_args
 got = {}
-for G, capped in FWD_BUILDS:
-    _, args, kwargs = _fwd_args(G, capped=capped)
-    got[repr(("fwd", G, capped))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
-for G, gated, dtype, modes in BWD_BUILDS:
-    _, args, kwargs = _bwd_args(G, gated, getattr(torch, dtype), modes)
-    got[repr(("bwd", G, gated, dtype, modes))] = build_sm90(gluon_kernels._bwd_gluon_kernel, args, kwargs)[1]
+for G, capped, D in FWD_BUILDS:
+    _, args, kwargs = _fwd_args(G, capped=capped, D=D)
+    got[repr(("fwd", G, capped, D))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
+for G, gated, dtype, modes, D in BWD_BUILDS:
+    _, args, kwargs = _bwd_args(G, gated, getattr(torch, dtype), modes, D=D)
+    got[repr(("bwd", G, gated, dtype, modes, D))] = build_sm90(gluon_kernels._bwd_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -92,34 +96,38 @@ def sm90_builds() -> dict:
 
 
 @needs_gluon
-@pytest.mark.parametrize("G, capped", FWD_BUILDS)
-def test_gluon_forward_builds_for_sm90(sm90_builds, G, capped):
+@pytest.mark.parametrize("G, capped, D", FWD_BUILDS)
+def test_gluon_forward_builds_for_sm90(sm90_builds, G, capped, D):
     """The forward compiles for Hopper within its register cap (168: three programs per SM, as the
-    Triton forward from 32k tokens on) with no spill, in ~68 KB of shared memory."""
-    got = sm90_builds[repr(("fwd", G, capped))]
+    Triton forward from 32k tokens on) with no spill, in ~68 KB of shared memory (36 KB at D=64)."""
+    got = sm90_builds[repr(("fwd", G, capped, D))]
     assert got["spill_stores"] == 0, got
     assert got["registers"] <= (168 if capped else 255), got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 3, got
 
 
 @needs_gluon
-@pytest.mark.parametrize("G, gated, dtype, modes", BWD_BUILDS)
-def test_gluon_backward_builds_for_sm90(sm90_builds, G, gated, dtype, modes):
+@pytest.mark.parametrize("G, gated, dtype, modes, D", BWD_BUILDS)
+def test_gluon_backward_builds_for_sm90(sm90_builds, G, gated, dtype, modes, D):
     """It compiles for Hopper within one program's shared memory, spilling a few words at most (4
     bytes at G=4, 24 at G=16 as built when timed; 255 registers and ~200 KB: one 8-warp program per
-    SM, as the Triton kernel; its earlier forms that spilled 80-96 bytes were slower)."""
-    got = sm90_builds[repr(("bwd", G, gated, dtype, modes))]
+    SM, as the Triton kernel; its earlier forms that spilled 80-96 bytes were slower). At D=64: 4
+    warps for 64-row chunks, ~68 KB, 16 bytes of spills."""
+    got = sm90_builds[repr(("bwd", G, gated, dtype, modes, D))]
     assert got["spill_stores"] <= 32, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES, got
     assert got["registers"] <= 255, got
 
 
 def test_gluon_applies_only_where_written_for():
-    """Not on CPU tensors, nor at other head dims or chunk shapes (the kernel's layouts are fixed)."""
+    """Not on CPU tensors, nor at other head dims or chunk shapes (the kernel's layouts are fixed);
+    16-bit launch settings at both head dims give chunks the kernels are written for."""
     q = torch.zeros(1, 8, 4, 128, dtype=torch.bfloat16)
     assert not gluon_kernels.applies(q, q, 64)
-    tiles = launch.launch_config(4, 128, 128, torch.bfloat16)
-    assert tiles["fwd_gluon"] == tiles["bwd_gluon"] == 1
+    for D in gluon_kernels.HEAD_DIMS:
+        tiles = launch.launch_config(4, D, D, torch.bfloat16)
+        assert tiles["fwd_gluon"] == tiles["bwd_gluon"] == 1
+        assert tiles["fwd_BT"] * 4 == gluon_kernels.FWD_ROWS and tiles["bwd_BT"] * 4 in gluon_kernels.BWD_ROWS
 
 
 @pytest.mark.parametrize("gluon, triton", [("_fwd_gluon_kernel", "_fwd_kernel"), ("_bwd_gluon_kernel", "_bwd_kernel")])
@@ -133,19 +141,21 @@ def test_gluon_kernels_take_the_triton_kernels_arguments(gluon, triton):
     assert names(getattr(gluon_kernels, gluon)) == names(getattr(kernels, triton))
 
 
-def _forward_both(G: int, T: int, dtype, range_tokens: int):
-    cfg = make_config(G, 128, 128, 16, 64)
+def _forward_both(G: int, T: int, dtype, range_tokens: int, D: int = 128):
+    cfg = make_config(G, D, D, 16, 64)
     q, k, v, _ = make_inputs(1, T, cfg, dtype, seed=G + T, device="cuda")
     bi = random_selection(1, cfg.n_kv_heads, T, 16, 64, seed=G, drop=0.1).cuda()
-    return [launch.forward(q, k, v, bi, None, 128 ** -0.5, 64, {"fwd_gluon": use, "range_tokens": range_tokens})
+    return [launch.forward(q, k, v, bi, None, D ** -0.5, 64, {"fwd_gluon": use, "range_tokens": range_tokens})
             for use in (1, 0)]
 
 
 @gpu
-@pytest.mark.parametrize("G, T, dtype, range_tokens, long", [
-    (4, 3000, torch.bfloat16, 0, False), (4, 3000, torch.bfloat16, 1024, True), (16, 2000, torch.bfloat16, 512, True),
-    (2, 1500, torch.float16, 0, False), (8, 4100, torch.bfloat16, 1024, False)])
-def test_gluon_forward_equals_triton(G, T, dtype, range_tokens, long, monkeypatch):
+@pytest.mark.parametrize("G, T, dtype, range_tokens, long, D", [
+    (4, 3000, torch.bfloat16, 0, False, 128), (4, 3000, torch.bfloat16, 1024, True, 128),
+    (16, 2000, torch.bfloat16, 512, True, 128), (2, 1500, torch.float16, 0, False, 128),
+    (8, 4100, torch.bfloat16, 1024, False, 128), (4, 3000, torch.bfloat16, 1024, False, 64),
+    (2, 1500, torch.float16, 0, False, 64), (16, 2000, torch.bfloat16, 512, False, 64)])
+def test_gluon_forward_equals_triton(G, T, dtype, range_tokens, long, D, monkeypatch):
     """o and lse with the Gluon forward equal the Triton kernel's bit for bit, with one token
     range or several, rows with fewer blocks, and the register cap of long sequences (its
     launches then go through the opaque op with maxnreg)."""
@@ -154,13 +164,13 @@ def test_gluon_forward_equals_triton(G, T, dtype, range_tokens, long, monkeypatc
         pytest.skip("the Gluon kernels run on Hopper (sm_90) only")
     if long:
         monkeypatch.setattr(launch, "LONG_FROM_TOKENS", 1)
-    got, want = _forward_both(G, T, dtype, range_tokens)
+    got, want = _forward_both(G, T, dtype, range_tokens, D)
     for name, a, b in zip(("o", "lse"), got, want):
         assert torch.equal(a, b), f"{name}: largest difference {(a.float() - b.float()).abs().max().item()}"
 
 
-def _backward_both(G: int, T: int, dtype, gated: bool, with_acc: bool, range_tokens: int):
-    cfg = make_config(G, 128, 128, 16, 64)
+def _backward_both(G: int, T: int, dtype, gated: bool, with_acc: bool, range_tokens: int, D: int = 128):
+    cfg = make_config(G, D, D, 16, 64)
     q, k, v, do = make_inputs(1, T, cfg, dtype, seed=G + T, device="cuda")
     bi = random_selection(1, cfg.n_kv_heads, T, 16, 64, seed=G, drop=0.0).cuda()
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -172,24 +182,25 @@ def _backward_both(G: int, T: int, dtype, gated: bool, with_acc: bool, range_tok
     out = []
     for use in (1, 0):
         tiles = {"bwd_gluon": use, "range_tokens": range_tokens}
-        out.append(launch.backward(do, q, k, v, o, lse, bi, None, 128 ** -0.5, 64, tiles, gate=gate, delta=delta,
+        out.append(launch.backward(do, q, k, v, o, lse, bi, None, D ** -0.5, 64, tiles, gate=gate, delta=delta,
                                    acc=tuple(x.clone() for x in acc) if with_acc else None))
     return out
 
 
 @gpu
-@pytest.mark.parametrize("G, T, dtype, gated, with_acc, range_tokens", [
-    (4, 3000, torch.bfloat16, False, False, 0), (4, 3000, torch.bfloat16, True, True, 1024),
-    (16, 2000, torch.bfloat16, True, False, 512), (2, 1500, torch.float16, False, True, 0),
-    (8, 4100, torch.bfloat16, False, False, 1024),
+@pytest.mark.parametrize("G, T, dtype, gated, with_acc, range_tokens, D", [
+    (4, 3000, torch.bfloat16, False, False, 0, 128), (4, 3000, torch.bfloat16, True, True, 1024, 128),
+    (16, 2000, torch.bfloat16, True, False, 512, 128), (2, 1500, torch.float16, False, True, 0, 128),
+    (8, 4100, torch.bfloat16, False, False, 1024, 128), (4, 3000, torch.bfloat16, False, False, 1024, 64),
+    (4, 3000, torch.bfloat16, True, True, 0, 64), (16, 2000, torch.float16, False, True, 512, 64),
 ])
-def test_gluon_backward_equals_triton(G, T, dtype, gated, with_acc, range_tokens):
+def test_gluon_backward_equals_triton(G, T, dtype, gated, with_acc, range_tokens, D):
     """dq, dk, dv with the Gluon kernel equal the Triton kernel's bit for bit (the same dots,
     roundings and sums), with one token range or several (the fp32 sums across ranges), gated
     or not, into fresh gradients or added to given ones (acc)."""
     x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
     if not gluon_kernels.applies(x, x, 64):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
-    got, want = _backward_both(G, T, dtype, gated, with_acc, range_tokens)
+    got, want = _backward_both(G, T, dtype, gated, with_acc, range_tokens, D)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), f"{name}: largest difference {(a.float() - b.float()).abs().max().item()}"

@@ -1,4 +1,4 @@
-"""The selected op's forward and backward kernels in Gluon, for Hopper at 16-bit Dk = Dv = 128.
+"""The selected op's forward and backward kernels in Gluon, for Hopper at 16-bit Dk = Dv of 64 or 128.
 
 Same work and results as kernels._fwd_kernel and _bwd_kernel (bit for bit: the same dots with
 the same operand layouts and roundings), in another order of their memory traffic. Built by
@@ -34,16 +34,20 @@ try:
 except ImportError:  # no Triton, or one without Gluon: the Triton kernel runs
     HAS_GLUON = False
 
-BWD_ROWS = 128
+BWD_ROWS = (64, 128)
 FWD_ROWS = 64
-"""Query rows per chunk (BT * G') of the backward and forward kernels, the tiles they are written for."""
+"""Query rows per chunk (BT * G') of the backward and forward kernels, the tiles they are written
+for: the backward runs one warp per 16 rows (4 or 8 warps), the forward 4 warps."""
+
+HEAD_DIMS = (64, 128)
+"""Dk = Dv of the kernels (measured and GPU-tested at both)."""
 
 
 def applies(q: torch.Tensor, v: torch.Tensor, BL: int) -> bool:
-    """Whether the Gluon kernels can run: Hopper (sm_90), 16-bit, Dk = Dv = 128, l' = 64 (the
-    callers check their chunks' rows against BWD_ROWS / FWD_ROWS)."""
-    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
-            and v.shape[-1] == 128 and BL == 64 and _capability(q.device.index) == (9, 0))
+    """Whether the Gluon kernels can run: Hopper (sm_90), 16-bit, Dk = Dv in HEAD_DIMS, l' = 64
+    (the callers check their chunks' rows against BWD_ROWS / FWD_ROWS)."""
+    return (HAS_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in HEAD_DIMS
+            and v.shape[-1] == q.shape[-1] and BL == 64 and _capability(q.device.index) == (9, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,20 +105,23 @@ if HAS_GLUON:
         F32_DOT: gl.constexpr, IEEE: gl.constexpr, SUMS: gl.constexpr, ADD: gl.constexpr,
         ACC: gl.constexpr = False, GATED: gl.constexpr = False,
     ):
-        """Arguments and results as kernels._bwd_kernel's (launched with 8 warps; DK = DKP = DV = DVP
-        = 128; F32_DOT and IEEE are False where it applies): dQ partials [B,T',Hq,n,D] of the
+        """Arguments and results as kernels._bwd_kernel's (launched with BT * G' / 16 warps; DK =
+        DKP = DV = DVP; F32_DOT and IEEE are False where it applies): dQ partials [B,T',Hq,n,D] of the
         item's tokens; the item's dK/dV, finished here when it is its block's only item
         (_finish_block), else an fp32 partial [W, BL, D] for _block_sum_kernel."""
         LOG2E: gl.constexpr = 1.4426950408889634
         M: gl.constexpr = BT * GP
         D: gl.constexpr = DKP
+        # One warp per 16 rows of the chunk (launched with M // 16 warps): 8 at 128 rows, 4 at 64.
+        W: gl.constexpr = M // 16
         # Gathers and dQ stores: 16-byte vectors, 8 rows a warp (a row vector costs 2 registers).
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [W, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                          instr_shape=[16, BL, 16])
-        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, D, 16])
-        mma_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                          instr_shape=[16, D // 2, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, D, 16])
+        # dK / dV [BL, D]: four warps down its 64 rows, the others across its columns.
+        mma_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                                          instr_shape=[16, D // (W // 4), 16])
         row_ld: gl.constexpr = gl.SliceLayout(1, ld)
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -267,7 +274,7 @@ if HAS_GLUON:
         F32_DOT: gl.constexpr, IEEE: gl.constexpr,
     ):
         """Arguments and results as kernels._fwd_kernel's (4 warps, 64-row chunks, DK = DKP = DV =
-        DVP = 128): partial o and lse (base 2) of the item's tokens, chunk i+1's query rows copied
+        DVP): partial o and lse (base 2) of the item's tokens, chunk i+1's query rows copied
         while chunk i's dots run."""
         LOG2E: gl.constexpr = 1.4426950408889634
         M: gl.constexpr = BT * GP

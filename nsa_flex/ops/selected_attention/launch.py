@@ -90,9 +90,10 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
 
     range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
     fwd_gluon / bwd_gluon 1: the forward / backward runs gluon_kernels' kernel where it applies
-    (Hopper, 16-bit, Dk = Dv = 128, 64- / 128-row chunks, G a power of two): their gathers overlap the dots, 2.99 /
-    4.93 against 3.59 / 6.16 ms at T=64k, G=4 on an H100, bit for bit the same results
-    (docs/decisions.md); 0: the Triton kernels everywhere.
+    (Hopper, 16-bit, Dk = Dv of 64 or 128, the chunks above, G a power of two): their gathers
+    overlap the dots, 2.99 / 4.93 against 3.59 / 6.16 ms at T=64k, G=4 on an H100, and 1.41 /
+    1.86 against 1.58 / 2.00 at seeds-125m's heads (D=64; the gated backward 2.09 against 2.06),
+    bit for bit the same results (docs/decisions.md); 0: the Triton kernels everywhere.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -179,8 +180,8 @@ def _gluon_runs(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict) -> bo
     (cfg[pass_ + "_gluon"]), written for these inputs and chunks, G a power of two (the groups the
     GPU tests compared with the Triton kernels; padded groups keep those), and not traced by
     Dynamo itself (Inductor cannot launch a Gluon kernel; the ops' bodies run below Dynamo)."""
-    rows = gluon_kernels.FWD_ROWS if pass_ == "fwd" else gluon_kernels.BWD_ROWS
-    return (bool(cfg[f"{pass_}_gluon"]) and cfg[f"{pass_}_BT"] * consts["GP"] == rows and consts["GP"] == consts["G"]
+    rows = (gluon_kernels.FWD_ROWS, ) if pass_ == "fwd" else gluon_kernels.BWD_ROWS
+    return (bool(cfg[f"{pass_}_gluon"]) and cfg[f"{pass_}_BT"] * consts["GP"] in rows and consts["GP"] == consts["G"]
             and gluon_kernels.applies(q, v, consts["BL"]) and not torch.compiler.is_dynamo_compiling())
 
 
@@ -191,7 +192,8 @@ def _pass_kernel(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict):
     fwd = pass_ == "fwd"
     if _gluon_runs(cfg, pass_, q, v, consts):
         kernel = gluon_kernels._fwd_gluon_kernel if fwd else gluon_kernels._bwd_gluon_kernel
-        return kernel, dict(opaque=True, num_warps=4 if fwd else 8, maxnreg=cfg[f"{pass_}_maxnreg"])
+        warps = 4 if fwd else cfg["bwd_BT"] * consts["GP"] // 16
+        return kernel, dict(opaque=True, num_warps=warps, maxnreg=cfg[f"{pass_}_maxnreg"])
     return (kernels._fwd_kernel if fwd else kernels._bwd_kernel), _launch(cfg, pass_)
 
 
