@@ -253,17 +253,20 @@ class NSAAttention(nn.Module):
                              f"{weight.device}; move one to the other (x.to(...) or layer.to(...))")
 
     def _attend_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens, block_indices):
-        """The flex op's branches, then gates, gated sum and output projection as one checkpointed
-        region: the backward recomputes the gates and the sum from tensors the Flex calls keep
-        anyway, instead of keeping the sum for wo and the gate MLP's activations (~74 MiB per
-        layer of seeds-125m at 32k tokens; docs/decisions.md, memory)."""
+        """The flex op's branches, then gates, gated sum and output projection, keeping neither the
+        sum nor the gate MLP's activations for the backward (~74 MiB per layer of seeds-125m at 32k
+        tokens; docs/decisions.md, "Training memory"): the backward recomputes the gates from x,
+        and the sum and wo from the branch outputs the branches keep anyway (one checkpointed
+        region). Where the window and selected branches and the gated sum run as one node
+        (flex.nsa_flex_branches with gates), the region only stands in for wo: its input is the
+        node's sum made again, and the output's gradient reaches the node through _IntoGatedSum."""
         from nsa_flex import flex
         from nsa_flex.flex import compiled as compiled_path
 
         cfg = self.config
         B, T, _ = x_btc.shape
         if not torch.compiler.is_compiling():
-            # The gates are made inside the region: their shape stands in for the checks.
+            # The gates are made below: their shape stands in for the checks.
             gates_shape = q.new_zeros(()).expand(B, T, cfg.n_heads, 3)
             check_inputs(q, k, v, k_cmp, v_cmp, gates_shape, cfg, block_indices, cu_seqlens, k_win, v_win)
         if not needs_grad(x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, *self.gate.parameters(), *self.wo.parameters()):
@@ -272,12 +275,37 @@ class NSAAttention(nn.Module):
             o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
                                        block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel
-        o_cmp, o_sel, o_win, sel = compiled_path.run(
-            flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, block_indices=block_indices,
-            cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+        gates = checkpoint(self.gate, x_btc, use_reentrant=False)
+        o_cmp, o_sel, o_win, sel, gated = compiled_path.run(
+            flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, gates=gates,
+            block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
 
-        def output(x_btc, cmp_rows, o_sel, o_win):
-            o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, self.gate(x_btc))
+        def output(cmp_rows, o_sel, o_win, gates):
+            o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, gates,
+                               impl=gated.impl if gated is not None else "auto")
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
 
-        return checkpoint(output, x_btc, o_cmp.x, o_sel, o_win, use_reentrant=False), sel
+        if gated is None:
+            return checkpoint(output, o_cmp.x, o_sel, o_win, gates, use_reentrant=False), sel
+        # The node's gradients flow from its own sum: the region's inputs are cut from the graph.
+        y = checkpoint(output, o_cmp.x.detach(), o_sel, o_win, gates.detach(), use_reentrant=False)
+        return _IntoGatedSum.apply(y, gated.o, self.wo.weight), sel
+
+
+class _IntoGatedSum(torch.autograd.Function):
+    """y = wo(o) with o = the gated node's sum, given y made from a copy of o that carries no
+    gradient to the node: the value is y's; the output's gradient dy goes on to y (wo's own
+    gradients) and, as dy W, to o. Neither saves o: its value is never read, so a compiled
+    block's partitioner keeps nothing of it either."""
+
+    @staticmethod
+    def forward(ctx, y, o, weight):
+        ctx.save_for_backward(weight)
+        ctx.o_meta = (o.shape, o.dtype)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight, = ctx.saved_tensors
+        shape, dtype = ctx.o_meta
+        return dy, (dy @ weight.to(dy.dtype)).to(dtype).view(shape), None

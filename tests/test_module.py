@@ -345,3 +345,35 @@ def test_module_compiles_whole(autocast):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     got.float().sum().backward()
     assert all(p.grad is not None for p in module.parameters())
+
+
+def test_into_gated_sum_routes_wo_gradient_to_the_node_sum():
+    """The gated node's path (NSAAttention._attend_flex): wo over the sum made again from detached
+    branch outputs, joined to the node's sum by _IntoGatedSum, gives a Linear over that sum's
+    value and every gradient (fp64, exact), and keeps no tensor of the sum itself."""
+    from torch.utils.checkpoint import checkpoint
+
+    from nsa_flex.attention import _IntoGatedSum
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 9, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    wo = torch.nn.Linear(20, 6, dtype=torch.float64)
+    dy = torch.randn(2, 9, 6, dtype=torch.float64, generator=g)
+
+    def parts():
+        return torch.tanh(q), torch.sin(q) * 2  # two "branch outputs" of q
+
+    a, b = parts()
+    o = 0.3 * a + 0.7 * b  # the node's sum, differentiable in q
+    want = torch.autograd.grad(wo(o.flatten(2)), [q, wo.weight, wo.bias], dy)
+
+    a, b = parts()
+    o = 0.3 * a + 0.7 * b
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = checkpoint(lambda a, b: wo((0.3 * a + 0.7 * b).flatten(2)), a.detach(), b.detach(), use_reentrant=False)
+        y = _IntoGatedSum.apply(y, o, wo.weight)
+    assert not any(t.data_ptr() == o.data_ptr() for t in kept)
+    got = torch.autograd.grad(y, [q, wo.weight, wo.bias], dy)
+    for name, x, w in zip(("q", "weight", "bias"), got, want):
+        torch.testing.assert_close(x, w, rtol=1e-12, atol=1e-12, msg=name)

@@ -132,10 +132,10 @@ def nsa_flex(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=N
     if not needs_grad(q, k, v, k_cmp, v_cmp, gates, k_win, v_win) and tiles.selected_impl(T, G) == "block":
         return nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config, block_indices=block_indices,
                                 cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
-    o_cmp, o_sel, o_win, block_indices, o = _branches(
+    o_cmp, o_sel, o_win, block_indices, gated = _branches(
         q, k, v, k_cmp, v_cmp, config, gates=gates, block_indices=block_indices, cu_seqlens=cu_seqlens,
         k_win=k_win, v_win=v_win, tiles=tiles)
-    return (gated_sum(o_cmp, o_sel, o_win, gates) if o is None else o), block_indices
+    return (gated_sum(o_cmp, o_sel, o_win, gates) if gated is None else gated.o), block_indices
 
 
 def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
@@ -206,27 +206,37 @@ def _compressed_and_selection(q, qs: _Queries, k_cmp, v_cmp, config: NSAConfig, 
     return o_cmp, block_indices
 
 
-def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, block_indices=None, cu_seqlens=None,
-                      k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
-    """The three branch outputs before the gates and the selection: o_cmp as FoldedRows (folded
-    rows held from its first complete block on), o_win folded [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv].
+class GatedSum(NamedTuple):
+    """The gated sum as one node made it (ops.gated_branches), and the nsa_flex::gated_sum impl
+    ("triton" or "torch") that made it, for a caller that makes it again in its backward."""
 
-    nsa_flex without its gated sum: NSAAttention recomputes that sum (and its gates) in the
-    backward instead of keeping its output (see NSAAttention.forward). Arguments as nsa_flex.
-    o_sel stays unfolded because the block-centric op keeps its output for its own backward: a
-    folded copy, kept for the gated sum's backward, would be a second [T, Hq, Dv] per layer.
+    o: torch.Tensor
+    impl: str
+
+
+def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_indices=None, cu_seqlens=None,
+                      k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
+    """(o_cmp, o_sel, o_win, block_indices, gated): the three branch outputs before the gates,
+    o_cmp as FoldedRows (folded rows held from its first complete block on), o_win folded
+    [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv]; with gates, where the window and selected branches
+    and the gated sum run as one node, gated (a GatedSum) is its sum, differentiable, and o_sel
+    and o_win are the node's own (no gradient flows through them); else gated is None.
+
+    For NSAAttention, which makes the gated sum again in the backward instead of keeping it (see
+    NSAAttention.attend). Arguments as nsa_flex. o_sel stays unfolded because the block-centric
+    op keeps its output for its own backward: a folded copy, kept for the gated sum's backward,
+    would be a second [T, Hq, Dv] per layer.
     """
-    _check_device(q, k, v, k_cmp, v_cmp, k_win, v_win)
-    o_cmp, o_sel, o_win, block_indices, _ = _branches(q, k, v, k_cmp, v_cmp, config, block_indices=block_indices,
-                                                      cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=tiles)
-    return o_cmp, o_sel, o_win, block_indices
+    _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
+    return _branches(q, k, v, k_cmp, v_cmp, config, gates=gates, block_indices=block_indices, cu_seqlens=cu_seqlens,
+                     k_win=k_win, v_win=v_win, tiles=tiles)
 
 
 def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_indices=None, cu_seqlens=None,
               k_win=None, v_win=None, tiles: FlexTiles = FlexTiles()):
-    """nsa_flex_branches' (o_cmp, o_sel, o_win, block_indices), and o: with gates, where the window
-    and selected branches share their local blocks (_gated_node), the gated sum from one node,
-    o_sel and o_win then None; else None."""
+    """nsa_flex_branches' (o_cmp, o_sel, o_win, block_indices, gated): with gates, where the window
+    and selected branches share their local blocks (_gated_node), gated is the GatedSum of one
+    node; else None."""
     T, Hkv = q.shape[1], k.shape[2]
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     q_fold, scale, docs = qs.fold, qs.scale, qs.docs
@@ -238,9 +248,11 @@ def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_ind
     if tiles.selected_impl(T, G) == "block":
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
         if gates is not None and _gated_node(qs, k_win, v_win, config, tiles, with_local=k_win is k and forced_local):
-            o = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates, scale=scale,
-                               impl=window_impl(q_fold, k, v, tiles, docs))
-            return o_cmp, None, None, block_indices, o
+            # The window op's impl ("triton" or "torch") is the node's, its gated sum's too.
+            impl = window_impl(q_fold, k, v, tiles, docs)
+            o, o_sel, o_win = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates,
+                                             scale=scale, impl=impl, return_branches=True)
+            return o_cmp, o_sel, o_win, block_indices, GatedSum(o, impl)
         # The window first: its op hands the selected op the partial over the local blocks.
         o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,
                                                with_local=k_win is k and forced_local)
@@ -278,11 +290,11 @@ def _forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:
     return tiles.local_partial and block_indices is None and config.n_local == 2
 
 
-def gated_sum(o_cmp: FoldedRows, o_sel, o_win, gates) -> torch.Tensor:
+def gated_sum(o_cmp: FoldedRows, o_sel, o_win, gates, impl: str = "auto") -> torch.Tensor:
     """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in fp32 as [B,T,Hq,Dv] in o_sel's dtype, from the
-    branches' layouts as nsa_flex_branches gives them (the op nsa_flex::gated_sum: Triton on CUDA,
-    its torch twin elsewhere)."""
-    return gated_sum_op(o_cmp.x, o_cmp.head, o_sel, o_win, gates)
+    branches' layouts as nsa_flex_branches gives them (the op nsa_flex::gated_sum: with impl
+    "auto" Triton on CUDA, its torch twin elsewhere; a GatedSum's impl makes its sum again)."""
+    return gated_sum_op(o_cmp.x, o_cmp.head, o_sel, o_win, gates, impl=impl)
 
 
 def chunk_heads(x_bhrd: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -42,8 +42,11 @@ from nsa_flex.ops.triton_utils import dense, quiet_without_triton
 
 
 def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
-                   cmp_head: int, gates: Tensor, *, scale: float | None = None, impl: str = "auto") -> Tensor:
-    """o [B, T, Hq, Dv] in q's dtype; differentiable in q, k, v, cmp_rows and gates.
+                   cmp_head: int, gates: Tensor, *, scale: float | None = None, impl: str = "auto",
+                   return_branches: bool = False):
+    """o [B, T, Hq, Dv] in q's dtype; differentiable in q, k, v, cmp_rows and gates. With
+    return_branches, (o, o_sel, o_win): the branch outputs the node keeps for its backward
+    (no gradient flows through them), in the layouts nsa_flex::gated_sum reads.
 
     q [B, Hkv, R >= T*G, Dk] folded (nsa_flex.folded, Hq = config.n_heads), read in place; k
     [B, T, Hkv, Dk], v [B, T, Hkv, Dv] (the window's keys too); block_indices [B, Hkv, T, n] listing
@@ -63,9 +66,9 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
     check_branch_outputs(cmp_rows, cmp_head, o_win, gates, (B, T, config.n_heads, v.shape[-1]), q.dtype,
                                       window_op._runs_kernels(q, k, v, impl))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G, config.window,
-                                              config.sel_block, scale, impl)
-    return o
+    o, o_sel, _, o_win, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G,
+                                                               config.window, config.sel_block, scale, impl)
+    return (o, o_sel, o_win) if return_branches else o
 
 
 def _no_index(q: Tensor) -> list[Tensor]:
