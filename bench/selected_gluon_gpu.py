@@ -1,9 +1,11 @@
 """The selected op's Gluon kernels against its Triton kernels, launch by launch, on a GPU.
 
     python -m bench.selected_gluon_gpu --out $OUT/selected_gluon.json [--shapes 1:65536:16:4:128 ...]
-    python -m bench.selected_gluon_gpu --compile        (no GPU: build both Gluon kernels for sm_90a)
+        [--tiles '{}' '{"bwd_BT": 32, "bwd_warps": 8}']
+    python -m bench.selected_gluon_gpu --compile [--shapes ...]   (no GPU: build both Gluon kernels for sm_90a)
 
-Per shape B:T:Hq:Hkv:D (bf16, random inputs and selections, the paper's geometry): the op's own
+Per shape B:T:Hq:Hkv:D (bf16, random inputs and selections, the paper's geometry) and launch
+settings (--tiles, each a JSON dict of launch_config keys; the default ones by default): the op's own
 forward and backward (launch.forward / launch.backward, the gated backward too) run once with
 the Triton kernels, and each launch of _fwd_kernel / _bwd_kernel is captured. Each captured
 launch then runs with the Triton kernel and with its Gluon twin (gluon_kernels; the forward also
