@@ -169,7 +169,8 @@ def main() -> None:
             try:
                 out["rows"] += compare(shape, gated, tiles)
             except Exception as exc:  # one failing shape must not lose the others
-                out["rows"].append({"shape": shape, "gated": gated, "tiles": tiles, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+                out["rows"].append({"shape": shape, "gated": gated, "tiles": tiles,
+                                    "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
                 print(out["rows"][-1], flush=True)
             if args.out:
                 with open(args.out, "w") as f:

@@ -223,7 +223,7 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, b
     and o_win are the node's own (no gradient flows through them); else gated is None.
 
     For NSAAttention, which makes the gated sum again in the backward instead of keeping it (see
-    NSAAttention.attend). Arguments as nsa_flex. o_sel stays unfolded because the block-centric
+    NSAAttention._attend_flex). Arguments as nsa_flex. o_sel stays unfolded because the block-centric
     op keeps its output for its own backward: a folded copy, kept for the gated sum's backward,
     would be a second [T, Hq, Dv] per layer.
     """
