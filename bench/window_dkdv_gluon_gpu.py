@@ -1,11 +1,13 @@
 """The window op's backward kernels, Gluon against Triton, on the same inputs (a GPU with Gluon).
 
-    python -m bench.window_dkdv_gluon_gpu --out $OUT/window_gluon_dkdv_kernel.json
+    python -m bench.window_dkdv_gluon_gpu --out $OUT/window_gluon_dkdv_kernel.json [--dim 64]
+        [--shapes 65536:3:4 ...]
 
 window_op.backward in the gated node's mode (dO unfolded, the window's gate and delta per row,
 with and without the selected branch's local-slot term) with launch_config's kv_gluon and
 dq_gluon: both Triton (triton), the Gluon dK/dV kernel (gluon: kv_gluon 1) and both Gluon
-(gluon_dq: kv_gluon and dq_gluon 1), each against the first.
+(gluon_dq: kv_gluon and dq_gluon 1), each against the first; at --dim (Dk = Dv, 128 by default)
+and T:Hkv:G shapes (SHAPES by default), the Triton kernels with launch_config(dim, dim)'s tiles.
 Inputs: q, k, v random bf16; o, lse from window_op.forward with the local partial; the gate
 uniform; delta = rowsum(dO o); the selected rows from lse plus 0.3 U(0, 1), 0.7 delta and U(0, 1).
 Per shape: the largest and relative L2 differences of dq, dk and dv; at T >= 32k do_bench
@@ -25,13 +27,13 @@ from bench.common import header, row_recorder
 
 SHAPES = [(65536, 4, 4), (32768, 4, 4), (65536, 4, 16), (8192, 4, 1), (3001, 2, 2), (1000, 2, 8), (777, 3, 4),
           (130, 1, 4)]
-"""(T, Hkv, G) at D = 128, W = 512, l' = 64."""
+"""(T, Hkv, G) at W = 512, l' = 64."""
 
 
-def _inputs(T: int, Hkv: int, G: int):
+def _inputs(T: int, Hkv: int, G: int, D: int):
     import nsa_flex.ops.window as W
 
-    D, L = 128, 64
+    L = 64
     R, Hq = T * G, Hkv * G
     q = torch.randn(1, Hkv, R, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -52,19 +54,22 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dim", type=int, default=128, choices=(64, 128), help="Dk = Dv")
+    p.add_argument("--shapes", nargs="+", default=None, help="T:Hkv:G each (default: SHAPES)")
     args = p.parse_args()
+    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes] if args.shapes else SHAPES
     _, add = row_recorder(args.out, {**header(), "what": "window backward (dQ kernel + dK/dV kernel) in the gated "
                                      "node's mode with (sel) and without (nosel) the local-slot term: Triton kernels "
                                      "(triton), the Gluon dK/dV kernel (gluon), and the Gluon dQ kernel too "
                                      "(gluon_dq) on the same inputs; differences of dq, dk, dv against triton; "
                                      "do_bench ms",
                                      "method": "python -m bench.window_dkdv_gluon_gpu"})
-    for T, Hkv, G in SHAPES:
+    for T, Hkv, G in shapes:
         torch.manual_seed(0)
-        base, kw, sel_rows = _inputs(T, Hkv, G)
-        cfgs = {name: {**W.launch_config(128, 128), "kv_gluon": kv, "dq_gluon": dq}
+        base, kw, sel_rows = _inputs(T, Hkv, G, args.dim)
+        cfgs = {name: {**W.launch_config(args.dim, args.dim), "kv_gluon": kv, "dq_gluon": dq}
                 for name, kv, dq in (("triton", 0, 0), ("gluon", 1, 0), ("gluon_dq", 1, 1))}
-        row = {"T": T, "Hkv": Hkv, "G": G}
+        row = {"T": T, "Hkv": Hkv, "G": G, "D": args.dim}
         for tag, sel in (("sel", sel_rows), ("nosel", None)):
             run = {name: (lambda c=c: W.backward(*base, c, **kw, sel=sel)) for name, c in cfgs.items()}
             want = run["triton"]()

@@ -25,10 +25,11 @@ gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 needs_gluon = pytest.mark.skipif(not gluon_kernels.HAS_GLUON, reason="needs Triton with Gluon")
 
 
-def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512):
+def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512,
+               D: int = 128):
     """Positional and constexpr arguments of one launch on CPU tensors of real dtypes and strides,
     as window_op.backward makes them (gated: dO unfolded [B, T, Hq, D])."""
-    B, D = 1, 128
+    B = 1
     R, Hq = T * G, G * Hkv
     q = torch.zeros(B, Hkv, R, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
@@ -47,7 +48,8 @@ def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 102
                       F32_DOT=False, num_warps=8)
 
 
-BUILDS = [(4, True, 64, "bfloat16"), (16, True, 64, "float16"), (4, False, 0, "bfloat16"), (1, True, 64, "bfloat16")]
+BUILDS = [(4, True, 64, "bfloat16", 128), (16, True, 64, "float16", 128), (4, False, 0, "bfloat16", 128),
+          (1, True, 64, "bfloat16", 128), (4, True, 64, "bfloat16", 64), (4, False, 0, "float16", 64)]
 
 
 def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1024, Hkv: int = 2, W: int = 512):
@@ -68,12 +70,12 @@ def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1
                       maxnreg=gluon_kernels.FWD_MAXNREG)
 
 
-def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512):
+def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512, D: int = 128):
     """Positional and constexpr arguments of one gated dQ launch on CPU tensors, as window_op.backward
     makes them (dO unfolded [B, T, Hq, D]; the TMA descriptors as the opaque op's body makes them)."""
     from nsa_flex.ops.capped_launch import tma_descriptor
 
-    B, D = 1, 128
+    B = 1
     R, Hq = T * G, G * Hkv
     q = torch.zeros(B, Hkv, R, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
@@ -88,7 +90,8 @@ def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2
                       SEL=sel, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
 
 
-DQ_BUILDS = [(4, 64, "bfloat16"), (16, 64, "float16"), (4, 0, "bfloat16"), (1, 64, "bfloat16")]
+DQ_BUILDS = [(4, 64, "bfloat16", 128), (16, 64, "float16", 128), (4, 0, "bfloat16", 128), (1, 64, "bfloat16", 128),
+             (4, 64, "bfloat16", 64)]
 
 
 FWD_BUILDS = [(4, 64, "bfloat16", 128), (16, 64, "float16", 128), (4, 0, "bfloat16", 128), (1, 64, "bfloat16", 128),
@@ -100,17 +103,17 @@ from bench.kernel_regs import build_sm90
 from nsa_flex.ops.window import gluon_kernels
 from test_window_gluon import BUILDS, _dkdv_args
 got = {}
-for G, gated, sel, dtype in BUILDS:
-    args, kwargs = _dkdv_args(G, gated, sel, getattr(torch, dtype))
-    got[repr((G, gated, sel, dtype))] = build_sm90(gluon_kernels._dkdv_gluon_kernel, args, kwargs)[1]
+for G, gated, sel, dtype, D in BUILDS:
+    args, kwargs = _dkdv_args(G, gated, sel, getattr(torch, dtype), D=D)
+    got[repr((G, gated, sel, dtype, D))] = build_sm90(gluon_kernels._dkdv_gluon_kernel, args, kwargs)[1]
 from test_window_gluon import FWD_BUILDS, _fwd_args
 for G, local, dtype, D in FWD_BUILDS:
     args, kwargs = _fwd_args(G, local, getattr(torch, dtype), D)
     got[repr(("fwd", G, local, dtype, D))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
 from test_window_gluon import DQ_BUILDS, _dq_args
-for G, sel, dtype in DQ_BUILDS:
-    args, kwargs = _dq_args(G, sel, getattr(torch, dtype))
-    got[repr(("dq", G, sel, dtype))] = build_sm90(gluon_kernels._dq_gluon_kernel, args, kwargs)[1]
+for G, sel, dtype, D in DQ_BUILDS:
+    args, kwargs = _dq_args(G, sel, getattr(torch, dtype), D=D)
+    got[repr(("dq", G, sel, dtype, D))] = build_sm90(gluon_kernels._dq_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -121,12 +124,12 @@ def sm90_builds() -> dict:
 
 
 @needs_gluon
-@pytest.mark.parametrize("G, gated, sel, dtype", BUILDS)
-def test_dkdv_gluon_builds_for_sm90(sm90_builds, G, gated, sel, dtype):
+@pytest.mark.parametrize("G, gated, sel, dtype, D", BUILDS)
+def test_dkdv_gluon_builds_for_sm90(sm90_builds, G, gated, sel, dtype, D):
     """It compiles for Hopper within one 8-warp program's registers and shared memory (192 KB: one
     program per SM), spilling a few words at most (as built when timed: 16 bytes at G=4 with the
-    local-slot term, none without; 20 at G=1)."""
-    got = sm90_builds[repr((G, gated, sel, dtype))]
+    local-slot term, none without; 20 at G=1). At D = 64: 112 KB, 245 registers, no spills."""
+    got = sm90_builds[repr((G, gated, sel, dtype, D))]
     assert got["registers"] <= 255, got
     assert got["spill_stores"] <= 32, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES, got
@@ -145,13 +148,13 @@ def test_fwd_gluon_builds_for_sm90(sm90_builds, G, local, dtype, D):
 
 
 @needs_gluon
-@pytest.mark.parametrize("G, sel, dtype", DQ_BUILDS)
-def test_dq_gluon_builds_for_sm90(sm90_builds, G, sel, dtype):
+@pytest.mark.parametrize("G, sel, dtype, D", DQ_BUILDS)
+def test_dq_gluon_builds_for_sm90(sm90_builds, G, sel, dtype, D):
     """The warp-specialised dQ kernel compiles for Hopper at its cap of 128 registers a thread (split
     between the loader warp and the warpgroup), spilling a few words at most (as built: 32 bytes at
     G=4 with the local-slot term, 16 at G=1, none otherwise), within the shared memory of two
     programs per SM (as built: 104 KB)."""
-    got = sm90_builds[repr(("dq", G, sel, dtype))]
+    got = sm90_builds[repr(("dq", G, sel, dtype, D))]
     assert got["registers"] <= gluon_kernels.FWD_MAXNREG, got
     assert got["spill_stores"] <= 32, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 2, got
@@ -184,22 +187,25 @@ def test_dkdv_gluon_takes_the_triton_kernels_arguments():
 
 
 def test_dkdv_gluon_applies_only_where_written_for():
-    """Asked for at D = 128 only; never on CPU tensors, at D = 64 or at groups that are not powers of two."""
-    assert window_op.launch_config(128, 128)["kv_gluon"] == 1
-    assert window_op.launch_config(64, 64)["kv_gluon"] == 0
+    """Asked for at D = 128 (the launch config; D = 64 runs when asked); never on CPU tensors, at other
+    head dims or at groups that are not powers of two."""
+    assert window_op.launch_config(128, 128)["kv_gluon"] == window_op.launch_config(128, 128)["dq_gluon"] == 1
+    assert window_op.launch_config(64, 64)["kv_gluon"] == window_op.launch_config(64, 64)["dq_gluon"] == 0
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     assert not gluon_kernels.applies(q, q, 4)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and gluon_kernels.applies(q.cuda(), q.cuda(), 4):
         x = q.cuda()
         assert not gluon_kernels.applies(x, x, 3)
-        assert not gluon_kernels.applies(x[..., :64], x[..., :64], 4)
+        assert gluon_kernels.applies(x[..., :64], x[..., :64], 4)
+        assert not gluon_kernels.applies(x[..., :96], x[..., :96], 4)
 
 
-def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: str = "kv_gluon", pad: int = 0):
+def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: str = "kv_gluon", pad: int = 0,
+                   D: int = 128):
     """The window backward in the gated node's mode (gate, delta, dO unfolded; with sel, the local
     slots' term) with launch_config's `key` (kv_gluon: the dK/dV kernel; dq_gluon: the dQ kernel)
     1 and 0, the other Gluon kernel off, on one set of inputs; q with `pad` rows past T * G."""
-    D, W, L = 128, 512, 64
+    W, L = 512, 64
     R, Hq = T * G, Hkv * G
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, Hkv, R + pad, D, device="cuda", generator=gen).to(dtype)
@@ -217,9 +223,9 @@ def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: s
                                sel=sel_rows if sel else None) for use in (1, 0)]
 
 
-def _plain_both(T: int, Hkv: int, G: int, dtype, seed: int):
+def _plain_both(T: int, Hkv: int, G: int, dtype, seed: int, D: int = 128):
     """The window op's own backward (no gate: dO folded, delta from O) with the Gluon and the Triton kernels."""
-    D, W = 128, 512
+    W = 512
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, Hkv, T * G + 5, D, device="cuda", generator=gen).to(dtype)
     k, v = (torch.randn(1, T, Hkv, D, device="cuda", generator=gen).to(dtype) for _ in range(2))
@@ -230,11 +236,12 @@ def _plain_both(T: int, Hkv: int, G: int, dtype, seed: int):
 
 
 @gpu
-@pytest.mark.parametrize("T, Hkv, G, dtype", [
-    (3001, 2, 2, torch.bfloat16), (1000, 2, 8, torch.bfloat16), (777, 3, 4, torch.float16), (130, 1, 4, torch.bfloat16),
-    (4099, 1, 16, torch.bfloat16), (2048, 2, 1, torch.float16)])
+@pytest.mark.parametrize("T, Hkv, G, dtype, D", [
+    (3001, 2, 2, torch.bfloat16, 128), (1000, 2, 8, torch.bfloat16, 128), (777, 3, 4, torch.float16, 128),
+    (130, 1, 4, torch.bfloat16, 128), (4099, 1, 16, torch.bfloat16, 128), (2048, 2, 1, torch.float16, 128),
+    (3001, 3, 4, torch.bfloat16, 64), (1000, 1, 16, torch.float16, 64)])
 @pytest.mark.parametrize("sel", [False, True], ids=["window", "local-slots"])
-def test_dkdv_gluon_against_triton(T, Hkv, G, dtype, sel):
+def test_dkdv_gluon_against_triton(T, Hkv, G, dtype, D, sel):
     """dQ is the same kernel's (equal). Without the local-slot term dK and dV equal the Triton
     kernel's bit for bit: the same products, summed in the same order (a 128-row dot adds its rows
     as two 64-row tiles do). With it, dS is p dP - (p delta + p_s delta_s) in both, but the kernels
@@ -242,23 +249,24 @@ def test_dkdv_gluon_against_triton(T, Hkv, G, dtype, sel):
     16-bit value, a relative 2^-8 of that element, and a gradient sums ~(W + 64) G of them: the
     largest difference stays within 2^-7 of the gradient's largest element and the relative L2
     difference within 2^-10 (measured on an H100: 2^-10 and 2^-15)."""
-    x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
+    x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
     if not gluon_kernels.applies(x, x, G):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
-    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G)
+    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, D=D)
     assert torch.equal(got[0], want[0]), "dq"
     _compare(got[1:], want[1:], exact=not sel)
 
 
 @gpu
-@pytest.mark.parametrize("T, Hkv, G, dtype", [(3001, 2, 4, torch.bfloat16), (1000, 1, 16, torch.float16)])
-def test_dkdv_gluon_plain_mode_equals_triton(T, Hkv, G, dtype):
+@pytest.mark.parametrize("T, Hkv, G, dtype, D", [(3001, 2, 4, torch.bfloat16, 128), (1000, 1, 16, torch.float16, 128),
+                                                 (3001, 3, 4, torch.bfloat16, 64)])
+def test_dkdv_gluon_plain_mode_equals_triton(T, Hkv, G, dtype, D):
     """The window op's own backward (dO folded, delta written by the dQ kernel from O; pad rows of
     q past T * G): dQ, dK and dV equal the Triton kernel's bit for bit."""
-    x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
+    x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
     if not gluon_kernels.applies(x, x, G):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
-    got, want = _plain_both(T, Hkv, G, dtype, seed=T)
+    got, want = _plain_both(T, Hkv, G, dtype, seed=T, D=D)
     _compare(got, want, exact=True)
 
 
@@ -316,21 +324,22 @@ def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, D, local):
 
 
 @gpu
-@pytest.mark.parametrize("T, Hkv, G, dtype", [
-    (3001, 2, 2, torch.bfloat16), (1000, 2, 8, torch.bfloat16), (777, 3, 4, torch.float16), (130, 1, 4, torch.bfloat16),
-    (4099, 1, 16, torch.bfloat16), (2048, 2, 1, torch.float16), (5, 1, 4, torch.bfloat16)])
+@pytest.mark.parametrize("T, Hkv, G, dtype, D", [
+    (3001, 2, 2, torch.bfloat16, 128), (1000, 2, 8, torch.bfloat16, 128), (777, 3, 4, torch.float16, 128),
+    (130, 1, 4, torch.bfloat16, 128), (4099, 1, 16, torch.bfloat16, 128), (2048, 2, 1, torch.float16, 128),
+    (5, 1, 4, torch.bfloat16, 128), (3001, 3, 4, torch.bfloat16, 64), (1000, 1, 16, torch.float16, 64)])
 @pytest.mark.parametrize("sel", [False, True], ids=["window", "local-slots"])
-def test_dq_gluon_against_triton(T, Hkv, G, dtype, sel):
+def test_dq_gluon_against_triton(T, Hkv, G, dtype, D, sel):
     """The gated node's dQ from the Gluon kernel against the Triton one's, on the same inputs (q with
     pad rows past T * G, which get zeros in both). Both form dS from the same fp32 quantities, fused
     differently, and round it to 16 bits for the dS K dot: a dS element may land on the neighbouring
     16-bit value, a relative 2^-8 of it, and a dQ element sums ~(W + 64) of them: as for the dK/dV
     kernel, the largest difference within 2^-7 of dQ's largest element and the relative L2
     difference within 2^-10. dK and dV (the dK/dV kernel's, not this one's) equal."""
-    x = torch.zeros(1, 1, 1, 128, dtype=dtype, device="cuda")
+    x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
     if not gluon_kernels.applies(x, x, G):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
-    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, key="dq_gluon", pad=3)
+    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, key="dq_gluon", pad=3, D=D)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), "dk, dv"
     assert (got[0][:, :, T * G:] == 0).all(), "pad rows of dq"
     _compare(got[:1], want[:1], exact=False, names=("dq",))

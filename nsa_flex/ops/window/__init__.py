@@ -102,9 +102,10 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     took 0.46 / 0.45 / 0.69 ms against 0.47 / 0.56 / 0.80 with the D=128 settings, at 8k x 4
     0.22 / 0.23 / 0.35 against 0.24 / 0.28 / 0.41. At D=128 those settings were slower.
 
-    kv_gluon: where gluon_kernels.applies (Hopper, D = 128), the dK/dV kernel in Gluon
+    kv_gluon: where gluon_kernels.applies (Hopper, D of 64 or 128), the dK/dV kernel in Gluon
     (gluon_kernels.py; its own 128-row tiles, 64-key blocks and 8 warps): at T=64k, G=4 in the
-    compiled op 1.76 ms against 2.19, at G=16 7.14 against 9.58. 0 keeps the Triton kernel.
+    compiled op 1.76 ms against 2.19, at G=16 7.14 against 9.58. 0 keeps the Triton kernel. At
+    D = 64 kv_gluon and dq_gluon are 0: not measured there yet (they run when asked).
 
     fwd_gluon: where gluon_kernels.forward_applies, the forward in Gluon, warp-specialised with
     TMA loads (its own 64-row tiles and 64-key blocks; docs/decisions.md, "The window branch").

@@ -65,8 +65,9 @@ def _runs_on(q: torch.Tensor, v: torch.Tensor, group: int, head_dims: tuple[int,
 
 
 def applies(q: torch.Tensor, v: torch.Tensor, group: int) -> bool:
-    """Whether the Gluon dK/dV and dQ kernels can run: _runs_on at Dk = Dv = 128."""
-    return _runs_on(q, v, group, (128,))
+    """Whether the Gluon dK/dV and dQ kernels can run: _runs_on at Dk = Dv of 64 or 128 (launch_config
+    asks for them at 128; at 64 they run when asked)."""
+    return _runs_on(q, v, group, (64, 128))
 
 
 def forward_applies(q: torch.Tensor, v: torch.Tensor, group: int, local_block: int) -> bool:
@@ -366,7 +367,7 @@ if HAS_GLUON:
                            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr,
                            GATED: gl.constexpr, SEL: gl.constexpr, F32_DOT: gl.constexpr):
         """Arguments and results as kernels._dkdv_kernel's (8 warps, BM = 128 rows a tile, BN = 64
-        keys, DK = DV = 128; F32_DOT False): dK, dV of key block program_id(0)."""
+        keys, DK = DV of 64 or 128; F32_DOT False): dK, dV of key block program_id(0)."""
         D: gl.constexpr = DK
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
