@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import FoldedRows
+from nsa_flex.projections import fused_linear
 from nsa_flex.validate import check_compiled, check_inputs, needs_grad
 
 IMPLS = ("auto", "reference", "flex")
@@ -192,9 +193,10 @@ class NSAAttention(nn.Module):
         """
         cfg = self.config
         B, T, _ = x_btc.shape
-        q = self.wq(x_btc).view(B, T, cfg.n_heads, cfg.head_dim)
-        ks = [w(x_btc).view(B, T, cfg.n_kv_heads, cfg.head_dim) for w in self.wk]
-        vs = [w(x_btc).view(B, T, cfg.n_kv_heads, cfg.dv) for w in self.wv]
+        q, *kv = fused_linear(x_btc, [self.wq, *self.wk, *self.wv])
+        q = q.view(B, T, cfg.n_heads, cfg.head_dim)
+        ks = [k.view(B, T, cfg.n_kv_heads, cfg.head_dim) for k in kv[:len(self.wk)]]
+        vs = [v.view(B, T, cfg.n_kv_heads, cfg.dv) for v in kv[len(self.wk):]]
         # Branch order of the projections: cmp, sel, win (all the same one when shared).
         k_c, k_s, k_w = (ks * 3)[:3] if len(ks) == 1 else ks
         v_c, v_s, v_w = (vs * 3)[:3] if len(vs) == 1 else vs

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.attention import IMPLS, NSAAttention, resolve_impl
 from nsa_flex.config import NSAConfig
+from nsa_flex.projections import fused_linear
 from nsa_flex.validate import check_compiled
 
 ATTENTIONS = ("nsa", "dense")
@@ -163,9 +164,11 @@ class DenseAttention(nn.Module):
     def forward(self, x_btc: torch.Tensor, *, rotary=None) -> torch.Tensor:
         cfg = self.config
         B, T, _ = x_btc.shape
-        q = self.wq(x_btc).view(B, T, cfg.n_heads, cfg.head_dim)
-        k = self.wk(x_btc).view(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v = self.wv(x_btc).view(B, T, cfg.n_kv_heads, cfg.dv)
+        q, k, v = fused_linear(x_btc, [self.wq, self.wk, self.wv])
+        q = q.view(B, T, cfg.n_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        # SDPA keeps v for its backward: a view would keep the whole fused output.
+        v = v.contiguous().view(B, T, cfg.n_kv_heads, cfg.dv)
         if rotary is not None:
             q, k = rotary(q, k)
         o_bhtd = F.scaled_dot_product_attention(
