@@ -116,8 +116,7 @@ def nsa_attention(
 
 
 class Projected(NamedTuple):
-    """A layer's projections of x: q [B,T,Hq,Dk], each branch's keys/values [B,T,Hkv,D] and, from
-    NSAAttention.project, the gate MLP's hidden layer [B,T,hidden] (None: the gates come from x)."""
+    """A layer's projections of x: q [B,T,Hq,Dk] and each branch's keys/values [B,T,Hkv,D]."""
 
     q: torch.Tensor
     k_cmp: torch.Tensor  # the cmp branch's keys before RoPE: phi's input
@@ -126,7 +125,6 @@ class Projected(NamedTuple):
     v_sel: torch.Tensor
     k_win: torch.Tensor
     v_win: torch.Tensor
-    gate_hidden: torch.Tensor | None = None
 
 
 class Gate(nn.Module):
@@ -146,12 +144,8 @@ class Gate(nn.Module):
         nn.init.zeros_(self.out.bias)
 
     def forward(self, x_btc: torch.Tensor) -> torch.Tensor:
-        return self.from_hidden(self.hidden(x_btc))
-
-    def from_hidden(self, h_btk: torch.Tensor) -> torch.Tensor:
-        """The gates [B, T, n_heads, 3] from the hidden layer's output h = hidden(x) [B, T, hidden]."""
-        B, T, _ = h_btk.shape
-        return torch.sigmoid(self.out(nn.functional.silu(h_btk))).view(B, T, self.n_heads, 3)
+        B, T, _ = x_btc.shape
+        return torch.sigmoid(self.out(nn.functional.silu(self.hidden(x_btc)))).view(B, T, self.n_heads, 3)
 
 
 class NSAAttention(nn.Module):
@@ -199,8 +193,7 @@ class NSAAttention(nn.Module):
         """
         cfg = self.config
         B, T, _ = x_btc.shape
-        # The gate MLP's first layer reads x too: one matmul for all of them.
-        q, *kv, gate_hidden = fused_linear(x_btc, [self.wq, *self.wk, *self.wv, self.gate.hidden])
+        q, *kv = fused_linear(x_btc, [self.wq, *self.wk, *self.wv])
         q = q.view(B, T, cfg.n_heads, cfg.head_dim)
         ks = [k.view(B, T, cfg.n_kv_heads, cfg.head_dim) for k in kv[:len(self.wk)]]
         vs = [v.view(B, T, cfg.n_kv_heads, cfg.dv) for v in kv[len(self.wk):]]
@@ -211,7 +204,7 @@ class NSAAttention(nn.Module):
             q_rot, k_s = rotary(q, k_s)
             k_w = rotary(q, k_w)[1] if len(ks) > 1 else k_s
             q = q_rot
-        return Projected(q, k_c, v_c, k_s, v_s, k_w, v_w, gate_hidden)
+        return Projected(q, k_c, v_c, k_s, v_s, k_w, v_w)
 
     def forward(self, x_btc: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, rotary=None,
                 return_indices: bool = False):
@@ -235,13 +228,11 @@ class NSAAttention(nn.Module):
         k_cmp = self.compress_k(pr.k_cmp, cu_seqlens)
         v_cmp = self.compress_v(pr.v_cmp, cu_seqlens)
         k_win, v_win = (pr.k_win, pr.v_win) if cfg.separate_kv else (None, None)
-        gate_hidden = self.gate.hidden(x_btc) if pr.gate_hidden is None else pr.gate_hidden
         if impl == "flex":
-            y, sel = self._attend_flex(x_btc, gate_hidden, pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, k_win, v_win,
-                                       cu_seqlens, block_indices)
+            y, sel = self._attend_flex(x_btc, pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, k_win, v_win, cu_seqlens,
+                                       block_indices)
         else:
-            o, sel = nsa_attention(pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, self.gate.from_hidden(gate_hidden),
-                                   config=cfg, impl=impl,
+            o, sel = nsa_attention(pr.q, pr.k_sel, pr.v_sel, k_cmp, v_cmp, self.gate(x_btc), config=cfg, impl=impl,
                                    block_indices=block_indices, return_indices=True, cu_seqlens=cu_seqlens,
                                    k_win=k_win, v_win=v_win)
             y = self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
@@ -263,12 +254,12 @@ class NSAAttention(nn.Module):
             raise ValueError(f"NSAAttention input is on {x_btc.device} but the layer's weights are on "
                              f"{weight.device}; move one to the other (x.to(...) or layer.to(...))")
 
-    def _attend_flex(self, x_btc, gate_hidden, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens, block_indices):
+    def _attend_flex(self, x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, cu_seqlens, block_indices):
         """The flex op's branches, then gates, gated sum and output projection, keeping neither the
-        sum nor the gate MLP's activations past its hidden layer for the backward (~74 MiB per layer
-        of seeds-125m at 32k tokens; docs/decisions.md, "Training memory"): the backward recomputes
-        the gates from gate_hidden (the gate MLP's hidden layer, [B,T,hidden]), and the sum and wo
-        from the branch outputs the branches keep anyway (one checkpointed region). Where the window and selected branches and the gated sum run as one node
+        sum nor the gate MLP's activations for the backward (~74 MiB per layer of seeds-125m at 32k
+        tokens; docs/decisions.md, "Training memory"): the backward recomputes the gates from x,
+        and the sum and wo from the branch outputs the branches keep anyway (one checkpointed
+        region). Where the window and selected branches and the gated sum run as one node
         (flex.nsa_flex_branches with gates), the region only stands in for wo: its input is the
         node's sum made again, and the output's gradient reaches the node through _IntoGatedSum."""
         from nsa_flex import flex
@@ -283,13 +274,10 @@ class NSAAttention(nn.Module):
         if not needs_grad(x_btc, q, k, v, k_cmp, v_cmp, k_win, v_win, *self.gate.parameters(), *self.wo.parameters()):
             # Nothing to recompute: the flex op with its gates, in its order without gradients
             # (under torch.no_grad, or a frozen layer with grad mode on).
-            o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp,
-                                       self.gate.from_hidden(gate_hidden), cfg, block_indices=block_indices,
-                                       cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+            o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
+                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel
-        # gate_hidden is a view of the fused projection's output: a copy of its own is what the
-        # checkpoint keeps, not the whole output.
-        gates = checkpoint(self.gate.from_hidden, gate_hidden.contiguous(), use_reentrant=False)
+        gates = checkpoint(self.gate, x_btc, use_reentrant=False)
         o_cmp, o_sel, o_win, sel, gated = compiled_path.run(
             flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, gates=gates,
             block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)

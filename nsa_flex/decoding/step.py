@@ -95,8 +95,7 @@ def decode_step(layer: NSAAttention, cache: NSACache, x_b1c: torch.Tensor, *, ro
     """
     check_step(layer, cache, x_b1c)
     pr = project(layer, x_b1c, cache.lengths[:, None], rotary)
-    gates_b1h3 = layer.gate.from_hidden(pr.gate_hidden)
-    o_b1hd, blocks_bhn = decode_attention(cache, pr, gates_b1h3, layer.compress_k, layer.compress_v)
+    o_b1hd, blocks_bhn = decode_attention(cache, pr, layer.gate(x_b1c), layer.compress_k, layer.compress_v)
     y = layer.wo(o_b1hd.flatten(2))
     return (y, blocks_bhn) if return_indices else y
 

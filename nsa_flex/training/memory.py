@@ -156,9 +156,8 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     MLP matmuls), SwiGLU's three F-wide tensors. Dense: q, k, v, o, lse and the copy of o that
     feeds wo. NSA with impl flex: the folded q, the selected branch's k/v (with the initial-block
     copies where split; the window reads a view of them), three branch outputs and their lse,
-    phi's d-token chunks, hidden and outputs, the compressed k/v repeated per query chunk, and the
-    gate MLP's hidden layer; gates, gated sum and wo's input are recomputed in the backward
-    (NSAAttention._attend_flex).
+    phi's d-token chunks, hidden and outputs, and the compressed k/v repeated per query chunk;
+    gates, gated sum and wo's input are recomputed in the backward (NSAAttention._attend_flex).
     Eager blocks also keep RMSNorm's fp32 intermediates, SwiGLU's product and the head-merge copy.
     """
     n = cfg.nsa
@@ -180,8 +179,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     kv = a * (Ak + Av) * kv_len / T
     compress = a * Hkv * (n.head_dim + n.dv) * (1 + (2 + chunks) / n.cmp_stride)
     outs = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
-    gate_hidden = max(16, C // 4)
-    recomputed = a * gate_hidden if flex else a * Ao + 2 * a * gate_hidden + (a + 4) * 3 * Hq
+    recomputed = 0 if flex else a * Ao + 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
     # The block-centric op keeps its lse for its backward; its output is o_sel (one of `outs`) and it
     # reads q from the folded copy (docs/decisions.md, "Training memory"). The token-centric Flex
     # call keeps its folded output beside the unfolded o_sel.
