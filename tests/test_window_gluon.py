@@ -86,7 +86,7 @@ def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2
     args = (tma_descriptor(window_op._kv_tiles(k)), tma_descriptor(window_op._kv_tiles(v)), q, do, dq, lse, delta,
             gate, *sel_rows, R, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e), *q.stride()[:3], *do_rows,
             *sel_rows[0].stride())
-    return args, dict(G=G, BM=gluon_kernels.FWD_ROWS, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.DQ_BUFFERS,
+    return args, dict(G=G, BM=gluon_kernels.FWD_ROWS, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS,
                       SEL=sel, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
 
 

@@ -232,7 +232,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         launch(gluon_kernels._dq_gluon_kernel, (-(-q.shape[2] // BM), B * Hkv), _kv_tiles(k), _kv_tiles(v), q, do, dq,
                lse, delta, gate, *sel_args, q.shape[2], T, R, Hkv, window, scale, scale2, *q.stride()[:3], *do_rows,
                *sel_strides, writes=(dq,), opaque=True, G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=Dk,
-               NB=gluon_kernels.DQ_BUFFERS, SEL=sel_block, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
+               NB=gluon_kernels.FWD_BUFFERS, SEL=sel_block, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
     else:
         BM = cfg["dq_BM"]
         wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](

@@ -49,10 +49,7 @@ FWD_ROWS = 64
 """Folded rows per tile of the Gluon forward (one consumer warpgroup, 64-key blocks)."""
 FWD_KEYS = 64
 FWD_BUFFERS = 2
-"""K / V blocks in the forward's ring. Its K and V buffers come free apart (a K once its scores
-are done, a V once its P V is), so two keep the pipelined walk fed."""
-DQ_BUFFERS = 2
-"""K / V blocks in flight in the dQ kernel's ring (3 measured the same as 2)."""
+"""K / V blocks in flight in the forward's ring (3 measured the same as 2)."""
 FWD_MAXNREG = 128
 """The forward's registers per thread, which warp_specialize splits: 24 for the loader warp, the
 rest to the consumer warpgroup (two programs per SM)."""
@@ -120,38 +117,26 @@ if HAS_GLUON:
     @gluon.jit
     def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, k_row, k_col,
                     start0, n_first, first, n_blocks, BN: gl.constexpr):
-        """The forward's loader warp: the tile's query rows, then each block's K and V (_fwd_block's
-        order) into the ring, each as its own buffer comes free: barriers 0 .. NB-1 are the K
-        buffers', NB .. 2 NB-1 the V buffers'."""
-        NB: gl.constexpr = k_bufs.type.shape[0]
+        """The forward's loader warp: the tile's query rows, then the K / V ring (_kv_loader)."""
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-        for i in range(n_blocks):
-            idx = i % NB
-            phase = ((i // NB) & 1) ^ 1
-            kb = _fwd_block(i, start0, n_first, first, BN)
-            mbarrier.wait(empty.index(idx), phase)
-            mbarrier.expect(ready.index(idx), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + kb, k_col], ready.index(idx), k_bufs.index(idx))
-            mbarrier.wait(empty.index(NB + idx), phase)
-            mbarrier.expect(ready.index(NB + idx), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [k_row + kb, k_col], ready.index(NB + idx), v_bufs.index(idx))
+        _kv_loader(k_desc, v_desc, k_bufs, v_bufs, ready, empty, k_row, k_col, start0, n_first, first, n_blocks, BN)
 
     @gluon.jit
-    def _fwd_scores(q_smem, k_bufs, ready, i, s_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-        """Issue block i's scores q K^T (async) once its K is in the ring."""
+    def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, kb, acc, m_i, l_i, tok, t0, t1, W, scale2,
+                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+        """Block i (keys kb..) into the online softmax (base 2), as kernels._fwd_step: only the
+        blocks the window's start or the diagonal cut are masked. The layouts are the consumer's:
+        rows (tok) slice the scores', acc is the output's."""
+        s_layout: gl.constexpr = tok.type.layout.parent
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         NB: gl.constexpr = k_bufs.type.shape[0]
         idx = i % NB
         mbarrier.wait(ready.index(idx), (i // NB) & 1)
-        return warpgroup_mma(q_smem, k_bufs.index(idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _fwd_softmax(s, kb, m_i, l_i, tok, t0, t1, W, scale2, BN: gl.constexpr):
-        """Scores s of keys kb.. into the online softmax (base 2), as kernels._fwd_step: only the
-        blocks the window's start or the diagonal cut are masked. (p, new max, new sum, the factor
-        that rescales the output so far)."""
-        s_layout: gl.constexpr = tok.type.layout.parent
+        s = warpgroup_mma(q_smem, k_bufs.index(idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         s = s * scale2
         if (kb + BN - 1 > t0) | (kb <= t1 - W):
             keys = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
@@ -162,49 +147,14 @@ if HAS_GLUON:
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_sub[:, None])
         alpha = gl.exp2(m_i - m_sub)
-        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
-
-    @gluon.jit
-    def _fwd_pv(p_op, v_bufs, ready, i, acc):
-        """Issue block i's P V (async) once its V is in the ring."""
-        NB: gl.constexpr = v_bufs.type.shape[0]
-        mbarrier.wait(ready.index(NB + i % NB), (i // NB) & 1)
-        return warpgroup_mma(p_op, v_bufs.index(i % NB), acc, is_async=True)
-
-    @gluon.jit
-    def _fwd_walk(q_smem, k_bufs, v_bufs, ready, empty, i0, i1, start0, n_first, first, acc, m_i, l_i, tok, t0, t1,
-                  W, scale2, BM: gl.constexpr, BN: gl.constexpr):
-        """Blocks i0 .. i1-1 (at least one) into the online softmax, pipelined: block i's scores are
-        issued before block i-1's P V, and block i's softmax runs while that dot does. A K buffer
-        goes back to the loader once its scores are done, a V buffer once its P V is. The layouts
-        are the consumer's: rows (tok) slice the scores', acc is the output's."""
-        s_layout: gl.constexpr = tok.type.layout.parent
-        o_layout: gl.constexpr = acc.type.layout
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        NB: gl.constexpr = k_bufs.type.shape[0]
-        s = _fwd_scores(q_smem, k_bufs, ready, i0, s_layout, BM, BN)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        mbarrier.arrive(empty.index(i0 % NB), count=1)
-        p, m_i, l_i, alpha = _fwd_softmax(s, _fwd_block(i0, start0, n_first, first, BN), m_i, l_i, tok, t0, t1, W,
-                                          scale2, BN)
+        l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        for i in range(i0 + 1, i1):
-            s = _fwd_scores(q_smem, k_bufs, ready, i, s_layout, BM, BN)
-            acc = _fwd_pv(p_op, v_bufs, ready, i - 1, acc)
-            # The older of the two (the scores) is done; the P V dot runs on under the softmax.
-            s, acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s, acc, p_op))
-            mbarrier.arrive(empty.index(i % NB), count=1)
-            p, m_i, l_i, alpha = _fwd_softmax(s, _fwd_block(i, start0, n_first, first, BN), m_i, l_i, tok, t0, t1,
-                                              W, scale2, BN)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            mbarrier.arrive(empty.index(NB + (i - 1) % NB), count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc = _fwd_pv(p_op, v_bufs, ready, i1 - 1, acc)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        mbarrier.arrive(empty.index(NB + (i1 - 1) % NB), count=1)
-        return acc, m_i, l_i
+        acc = warpgroup_mma(p_op, v_bufs.index(idx), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Both dots of the block are done: its buffers go back to the loader.
+        mbarrier.arrive(empty.index(idx), count=1)
+        return acc, m_new, l_i
 
     @gluon.jit
     def _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM: gl.constexpr, D: gl.constexpr):
@@ -238,14 +188,14 @@ if HAS_GLUON:
         l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BM, D], gl.float32, layout=o_layout)
         mbarrier.wait(q_bar, 0)
-        # n_first >= 1: a tile's last token is in its band.
-        acc, m_i, l_i = _fwd_walk(q_smem, k_bufs, v_bufs, ready, empty, 0, n_first, start0, n_first, first, acc, m_i,
-                                  l_i, tok, t0, t1, W, sc2, BM, BN)
+        for i in range(n_first):
+            acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, start0 + i * BN, acc, m_i, l_i, tok,
+                                      t0, t1, W, sc2, BM, BN, D)
         if LOCAL > 0:
             _fwd_store(O_LOC, LSE_LOC, acc, m_i, l_i, bh, row0, R, BM, D)
-        if n_blocks > n_first:
-            acc, m_i, l_i = _fwd_walk(q_smem, k_bufs, v_bufs, ready, empty, n_first, n_blocks, start0, n_first, first,
-                                      acc, m_i, l_i, tok, t0, t1, W, sc2, BM, BN)
+        for i in range(n_first, n_blocks):
+            acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, first + (i - n_first) * BN, acc, m_i,
+                                      l_i, tok, t0, t1, W, sc2, BM, BN, D)
         _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, D)
 
     @gluon.jit
@@ -269,11 +219,10 @@ if HAS_GLUON:
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NB] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NB] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        # K buffers' barriers, then V buffers' (_fwd_loader).
-        ready = gl.allocate_shared_memory(gl.int64, [2 * NB, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2 * NB, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(2 * NB):
+        for i in gl.static_range(NB):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
