@@ -14,11 +14,12 @@ def fused_linear(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Ten
 
     One matmul reads x once, and its backward makes x's gradient in one matmul rather than as a
     sum of one per layer: in a compiled block with four such terms Inductor wrote that sum in a
-    pass of its own (docs/decisions.md, "Fused projections"). The layers keep
-    their own parameters, so state dicts do not change.
+    pass of its own (docs/decisions.md, "Fused projections"). The layers keep their own
+    parameters, so state dicts do not change. Without grad mode (decoding) each layer runs alone:
+    the gain is the backward's, and the weights' copy would cost every decode step.
     """
-    if len(layers) == 1:
-        return [layers[0](x)]
+    if len(layers) == 1 or not torch.is_grad_enabled():
+        return [layer(x) for layer in layers]
     weight = torch.cat([layer.weight for layer in layers])
     bias = None
     if any(layer.bias is not None for layer in layers):

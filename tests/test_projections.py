@@ -33,6 +33,14 @@ def test_fused_linear_equals_each_layer(biases):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_fused_linear_without_grad_mode_runs_each_layer():
+    layers = _layers((True, False, True))
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    with torch.no_grad():
+        got = fused_linear(x, layers)
+    assert all(torch.equal(g, layer(x)) and g.is_contiguous() for g, layer in zip(got, layers))
+
+
 def test_fused_linear_of_one_layer_is_the_layer():
     layer, = _layers((True,), outs=(8,))
     x = torch.randn(3, 24, dtype=torch.float64)
