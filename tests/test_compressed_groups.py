@@ -99,3 +99,21 @@ def test_q_room_too_short_is_refused():
     q_fold = fold(x["q"], 1)
     with pytest.raises(ValueError, match="q_room .* must be"):
         compressed_grouped(q_fold, x["k_cmp"], x["v_cmp"], cfg, 32 ** -0.5, causal_attention_lse, q_room=q_fold)
+
+
+def test_cudnn_backward_slices():
+    """As many batch rows a call as keep cuDNN's fp32 dK / dV of every query head within
+    PARTIAL_BYTES (at least one); the whole batch without GQA or when it fits."""
+    from nsa_flex.flex.compressed_groups import backward_slices
+    from nsa_flex.ops.selected_attention.launch import PARTIAL_BYTES
+
+    Tc = 4095
+    # g4 / seeds-125m at 64k (d*G = 64 heads): one call. G=16 (256 heads, D=128): a row a call.
+    assert backward_slices(4, 64, 1, Tc, 128, 128) == 4
+    assert backward_slices(3, 64, 1, Tc, 64, 64) == 3
+    assert backward_slices(4, 256, 1, Tc, 128, 128) == 1
+    assert backward_slices(16, 64, 1, Tc, 128, 128) == 4
+    assert backward_slices(4, 1024, 1, Tc, 128, 128) == 1
+    assert backward_slices(12, 8, 8, 10**6, 128, 128) == 12
+    rows = backward_slices(7, 64, 1, 3000, 128, 64)
+    assert rows * 4 * 64 * 3000 * 192 <= PARTIAL_BYTES < (rows + 1) * 4 * 64 * 3000 * 192

@@ -263,6 +263,39 @@ def test_document_masking_equals_separate_documents():
     torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("N,H,L,D", [(4, 64, 1000, 64), (3, 8, 513, 128), (9, 16, 300, 64)])
+def test_cudnn_backward_slices_match_one_call(N, H, L, D, monkeypatch):
+    """_CudnnCausal's backward over slices of the batch against one cuDNN call through torch's own
+    autograd: the same output and lse bit for bit, and gradients within what two runs of that one
+    call differ by (cuDNN's dQ sums blocks in no fixed order) plus one rounding of the largest."""
+    from nsa_flex.flex import compressed_groups
+    from nsa_flex.flex.compressed_groups import _CudnnCausal, backward_slices
+
+    per_row = 4 * H * L * 2 * D
+    monkeypatch.setattr(compressed_groups, "PARTIAL_BYTES", per_row)  # a row a call
+    assert backward_slices(N, H, 1, L, D, D) == 1
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(N, H, L, D, device="cuda", dtype=BF16, generator=g).requires_grad_()
+    k, v = (torch.randn(N, 1, L, D, device="cuda", dtype=BF16, generator=g).requires_grad_() for _ in range(2))
+    do = torch.randn(N, H, L, D, device="cuda", dtype=BF16, generator=g)
+    scale = D ** -0.5
+    o, lse = _CudnnCausal.apply(q, k, v, scale)
+    ours = torch.autograd.grad(o, (q, k, v), do)
+
+    def one_call():
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+        return out, torch.autograd.grad(out[0], (q, k, v), do)
+
+    out, theirs = one_call()
+    _, again = one_call()
+    assert torch.equal(o, out[0]) and torch.equal(lse, out[1])
+    eps = torch.finfo(BF16).eps
+    for name, a, b, b2 in zip(("dq", "dk", "dv"), ours, theirs, again):
+        spread = (b.float() - b2.float()).abs().max().item()
+        diff = (a.float() - b.float()).abs().max().item()
+        assert diff <= 2 * spread + eps * b.float().abs().max().item(), f"{name}: {diff} (runs differ by {spread})"
+
+
 @pytest.mark.parametrize("G,Hkv,D,T,B,dtype", [
     pytest.param(4, 4, 128, 4099, 2, BF16, id="G4-D128-T4099-B2-bf16"),
     pytest.param(16, 1, 128, 1000, 1, BF16, id="G16-D128-T1000-bf16"),

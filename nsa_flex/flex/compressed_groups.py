@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import FoldedRows
+from nsa_flex.ops.selected_attention.launch import PARTIAL_BYTES
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 """(q [N, H, L, Dk], k [N, 1, L, Dk], v [N, 1, L, Dv], scale) -> (o [N, H, L, Dv], lse [N, H, L] natural log),
@@ -49,12 +50,55 @@ def cudnn_attention_lse(q, k, v, scale: float):
     """Attend by cuDNN (CUDA, 16-bit): causal, kv heads shared GQA-style, lse in natural log.
 
     One compressed token (Tc = 1, T < l + d) runs causal_attention_lse: cuDNN rejects
-    s_q = s_kv = 1.
+    s_q = s_kv = 1. The backward runs in slices of the batch (_CudnnCausal).
     """
     if q.shape[2] == 1:
         return causal_attention_lse(q, k, v, scale)
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-    return out[0], out[1].reshape(q.shape[:3])
+    o, lse = _CudnnCausal.apply(q, k, v, scale)
+    return o, lse.reshape(q.shape[:3])
+
+
+def backward_slices(N: int, H: int, Hk: int, L: int, Dk: int, Dv: int) -> int:
+    """Batch rows per cuDNN backward call of _CudnnCausal (N rows of H query heads on Hk kv heads,
+    L positions).
+
+    With GQA (Hk < H) cuDNN's backward holds dK and dV of every query head in fp32 before it sums
+    them per kv head: 4 H L (Dk + Dv) bytes a batch row. In the grouped call H is d*G (256 at
+    G=16), so at 64k that buffer was the op's peak: 4.0 GiB at G=16 (docs/decisions.md, "The
+    compressed branch as one cuDNN call"). So a call takes as many rows as keep it within the
+    bound of the selected op's partials (PARTIAL_BYTES), at least one; a row's gradients come out
+    of one call as before. Each call more costs time (~0.2 ms a call at 64k), so rows that fit go
+    in one call.
+    """
+    if Hk >= H:
+        return N
+    return max(1, min(N, PARTIAL_BYTES // max(1, 4 * H * L * (Dk + Dv))))
+
+
+class _CudnnCausal(torch.autograd.Function):
+    """aten._scaled_dot_product_cudnn_attention (causal, lse), its backward in slices of the batch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float):
+        o, lse, _, _, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse, seed, offset)
+        ctx.args = (max_q, max_k, scale)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, seed, offset = ctx.saved_tensors
+        max_q, max_k, scale = ctx.args
+        N = q.shape[0]
+        step = backward_slices(N, q.shape[1], k.shape[1], q.shape[2], q.shape[3], v.shape[3])
+        grads = [torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do[i:i + step], q[i:i + step], k[i:i + step], v[i:i + step], o[i:i + step], lse[i:i + step], seed, offset,
+            None, None, None, max_q, max_k, 0.0, True, scale=scale) for i in range(0, N, step)]
+        if len(grads) == 1:
+            return (*grads[0], None)
+        return (*(torch.cat(parts) for parts in zip(*grads)), None)
 
 
 def causal_attention_lse(q, k, v, scale: float):
