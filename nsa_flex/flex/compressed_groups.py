@@ -67,8 +67,8 @@ def backward_slices(N: int, H: int, Hk: int, L: int, Dk: int, Dv: int) -> int:
     G=16), so at 64k that buffer was the op's peak: 4.0 GiB at G=16 (docs/decisions.md, "The
     compressed branch as one cuDNN call"). So a call takes as many rows as keep it within the
     bound of the selected op's partials (PARTIAL_BYTES), at least one; a row's gradients come out
-    of one call as before. Each call more costs time (~0.2 ms a call at 64k), so rows that fit go
-    in one call.
+    of one call as before. Each call more costs time (~0.1-0.2 ms at 64k), so rows that fit go in
+    one call.
     """
     if Hk >= H:
         return N
