@@ -102,18 +102,49 @@ def test_q_room_too_short_is_refused():
 
 
 def test_cudnn_backward_slices():
-    """As many batch rows a call as keep cuDNN's fp32 dK / dV of every query head within
-    PARTIAL_BYTES (at least one); the whole batch without GQA or when it fits."""
-    from nsa_flex.flex.compressed_groups import backward_slices
-    from nsa_flex.ops.selected_attention.launch import PARTIAL_BYTES
+    """(rows, heads) a cuDNN backward call: as many batch rows as keep cuDNN's fp32 dK / dV of
+    every query head within CUDNN_BACKWARD_BYTES, and where one row does not fit part of its heads
+    (whole groups of a kv head where there are several); everything without GQA."""
+    from nsa_flex.flex.compressed_groups import CUDNN_BACKWARD_BYTES, backward_slices
 
     Tc = 4095
-    # g4 / seeds-125m at 64k (d*G = 64 heads): one call. G=16 (256 heads, D=128): a row a call.
-    assert backward_slices(4, 64, 1, Tc, 128, 128) == 4
-    assert backward_slices(3, 64, 1, Tc, 64, 64) == 3
-    assert backward_slices(4, 256, 1, Tc, 128, 128) == 1
-    assert backward_slices(16, 64, 1, Tc, 128, 128) == 4
-    assert backward_slices(4, 1024, 1, Tc, 128, 128) == 1
-    assert backward_slices(12, 8, 8, 10**6, 128, 128) == 12
-    rows = backward_slices(7, 64, 1, 3000, 128, 64)
-    assert rows * 4 * 64 * 3000 * 192 <= PARTIAL_BYTES < (rows + 1) * 4 * 64 * 3000 * 192
+    # g4 at 64k (d*G = 64 heads, D=128): two rows a call; seeds-125m's heads (D=64): one call.
+    assert backward_slices(4, 64, 1, Tc, 128, 128) == (2, 64)
+    assert backward_slices(3, 64, 1, Tc, 64, 64) == (3, 64)
+    # G=16 (256 heads, D=128): half a row a call.
+    assert backward_slices(4, 256, 1, Tc, 128, 128) == (1, 128)
+    assert backward_slices(4, 1024, 1, Tc, 128, 128) == (1, 128)
+    assert backward_slices(12, 8, 8, 10**6, 128, 128) == (12, 8)
+    # Several kv heads: whole groups (of 128 heads here).
+    rows, heads = backward_slices(2, 512, 4, Tc, 128, 128)
+    assert rows == 1 and heads == 128
+    rows, heads = backward_slices(7, 64, 1, 3000, 128, 64)
+    assert heads == 64 and rows * 4 * 64 * 3000 * 192 <= CUDNN_BACKWARD_BYTES < (rows + 1) * 4 * 64 * 3000 * 192
+    # At least one group even where one does not fit.
+    assert backward_slices(1, 64, 1, 10**7, 128, 128) == (1, 1)
+    assert backward_slices(1, 64, 2, 10**7, 128, 128) == (1, 32)
+
+
+@pytest.mark.parametrize("H", [6, 1])
+def test_causal_attention_backward_equals_autograd(H):
+    """causal_attention_backward (the grouped call's backward in torch) against autograd through
+    causal_attention_lse, fp64: equal but for the lse it is given, which is fp32 (as cuDNN's), so P
+    carries up to a rounding of lse."""
+    from nsa_flex.flex.compressed_groups import causal_attention_backward
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, H, 37, 16, dtype=torch.float64, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 1, 37, 16, dtype=torch.float64, generator=g).requires_grad_() for _ in range(2))
+    do = torch.randn(2, H, 37, 16, dtype=torch.float64, generator=g)
+    o, lse = causal_attention_lse(q, k, v, 0.3)
+    want = torch.autograd.grad(o, (q, k, v), do)
+    got = causal_attention_backward(do, q.detach(), k.detach(), v.detach(), o.detach(), lse, 0.3)
+    lse_rounding = torch.finfo(torch.float32).eps * lse.abs().max().item()
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert (a - b).abs().max() <= (1e3 * EPS + 4 * lse_rounding) * b.abs().max(), name
+    # Given the fp64 lse, the same to fp64 roundings.
+    lse64 = torch.logsumexp((q @ k.transpose(-1, -2) * 0.3).masked_fill(
+        ~torch.ones(37, 37, dtype=torch.bool).tril(), float("-inf")), -1).detach()
+    got = causal_attention_backward(do, q.detach(), k.detach(), v.detach(), o.detach(), lse64, 0.3)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert (a - b).abs().max() <= 1e3 * EPS * b.abs().max(), name

@@ -177,3 +177,92 @@ def test_backward_launches_refuse_what_they_cannot_take():
         launch.backward(do, q, k, v, do, stats, bi, None, 0.1, 32, q_heads=2, gate=stats[:, :1], delta=stats)
     with pytest.raises(ValueError, match="acc must be"):
         launch.backward(do, q, k, v, do, stats, bi, None, 0.1, 32, q_heads=2, acc=(q, k[:, :5], v))
+
+
+# ----- the grouped compressed call's backward inside the node -----
+
+def grouped_case(B, T, Hkv, G, D, LB, W, n, dtype=torch.float64, seed=2):
+    """(cfg, leaves q_room / k / v / k_cmp / v_cmp / gates, selection, do) for the node with the grouped
+    compressed call: q_room the folded queries with the rows that call reads (grouped_rows)."""
+    from nsa_flex.flex.compressed_groups import grouped_rows
+
+    cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=D, head_dim_v=D, sel_block=LB, n_selected=n, window=W)
+    Tc = (T - cfg.cmp_block) // cfg.cmp_stride + 1
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, G * Hkv, D, generator=g, dtype=dtype)
+    x = {"q_room": fold(q, Hkv, rows=grouped_rows(T * G, cfg, Tc)),
+         "k": torch.randn(B, T, Hkv, D, generator=g, dtype=dtype),
+         "v": torch.randn(B, T, Hkv, D, generator=g, dtype=dtype),
+         "k_cmp": torch.randn(B, Tc, Hkv, D, generator=g, dtype=dtype),
+         "v_cmp": torch.randn(B, Tc, Hkv, D, generator=g, dtype=dtype),
+         "gates": torch.rand(B, T, G * Hkv, 3, generator=g, dtype=dtype)}
+    x = {name: t.requires_grad_() for name, t in x.items()}
+    do = torch.randn(B, T, G * Hkv, D, generator=g, dtype=dtype)
+    return cfg, x, local_selection(B, Hkv, T, n, LB, seed), do
+
+
+def with_grouped(cfg, x, bi, impl, detached: bool):
+    """The node's output: the grouped call made without a gradient and its backward in the node
+    (detached), or the call through autograd and its output's gradient out of the node."""
+    from nsa_flex.flex import compressed_groups
+
+    T, G = x["k"].shape[1], cfg.n_heads // cfg.n_kv_heads
+    q_fold = x["q_room"][:, :, :T * G]
+    scale = cfg.head_dim ** -0.5
+    if detached:
+        rows, _, grouped = compressed_groups.compressed_grouped_detached(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale,
+                                                                         False, q_room=x["q_room"])
+    else:
+        rows, _ = compressed_groups.compressed_grouped(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale,
+                                                       q_room=x["q_room"])
+        grouped = None
+    return gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, gates=x["gates"], impl=impl,
+                          grouped=grouped)
+
+
+@pytest.mark.parametrize("G,Hkv,T", [(4, 2, 150), (3, 1, 203), (16, 1, 64)], ids=["G4-T150", "G3-T203", "G16-T64"])
+def test_node_takes_the_grouped_calls_backward(G, Hkv, T):
+    """The node running the grouped compressed call's backward (the call made without a gradient of
+    its own) against the call through autograd and the node taking its output's gradient: the same
+    output and gradients of q, k, v, k_cmp, v_cmp and the gates, fp64, twins. A node that dropped
+    the call's gradients would leave k_cmp / v_cmp without any."""
+    cfg, x, bi, do = grouped_case(1, T, Hkv, G, 32, 32, 64, 4)
+    o = with_grouped(cfg, x, bi, "torch", detached=True)
+    o_ref = with_grouped(cfg, x, bi, "torch", detached=False)
+    eps = torch.finfo(torch.float64).eps
+    assert (o - o_ref).abs().max() <= 100 * eps
+    names = list(x)
+    grads = torch.autograd.grad(o, [x[n] for n in names], do)
+    want = torch.autograd.grad(o_ref, [x[n] for n in names], do)
+    # The grouped lse is fp32 (as cuDNN's): the backward's P carries up to a rounding of it.
+    bound = 1e3 * eps + 64 * torch.finfo(torch.float32).eps
+    for name, a, b in zip(names, grads, want):
+        assert b.abs().max() > 0, name
+        assert (a - b).abs().max() <= bound * b.abs().max(), name
+
+
+@interpreter
+def test_node_takes_the_grouped_calls_backward_interpreted():
+    """The same with the node's Triton kernels (under the interpreter) in fp32 against its twin path."""
+    cfg, x, bi, do = grouped_case(1, 130, 1, 4, 64, 32, 64, 4, dtype=torch.float32)
+    o = with_grouped(cfg, x, bi, "triton", detached=True)
+    o_ref = with_grouped(cfg, x, bi, "torch", detached=False)
+    names = list(x)
+    grads = torch.autograd.grad(o, [x[n] for n in names], do)
+    want = torch.autograd.grad(o_ref, [x[n] for n in names], do)
+    for name, a, b in zip(["o", *names], [o, *grads], [o_ref, *want]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
+def test_grouped_call_needs_cmp_rows_without_gradient():
+    """The node given the grouped call refuses cmp_rows that need a gradient: the call's own
+    gradients stand for it, and that one would be lost."""
+    from nsa_flex.flex import compressed_groups
+
+    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
+    q_fold = x["q_room"][:, :, :400]
+    rows, _, grouped = compressed_groups.compressed_grouped_detached(q_fold, x["k_cmp"], x["v_cmp"], cfg, 0.2, False,
+                                                                     q_room=x["q_room"])
+    with pytest.raises(ValueError, match="needs none"):
+        gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x.clone().requires_grad_(), rows.head, x["gates"],
+                       impl="torch", grouped=grouped)

@@ -151,7 +151,8 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
     forced_local = _forces_local(block_indices, config, tiles)
-    o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
+    o_cmp, block_indices, _ = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles,
+                                                        block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
     o_win, local = window_and_local_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, qs.room,
                                            with_local=k_win is k and forced_local)
@@ -197,13 +198,22 @@ def _queries(q, k, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles
 
 
 def _compressed_and_selection(q, qs: _Queries, k_cmp, v_cmp, config: NSAConfig, cu_seqlens, tiles: FlexTiles,
-                              block_indices):
-    """(o_cmp: FoldedRows, block_indices): the compressed call, then the selection op unless given."""
-    o_cmp, lse_cmp = compressed_branch(qs.fold, k_cmp, v_cmp, config, qs.scale, tiles, qs.docs, q_room=qs.room)
+                              block_indices, node: bool = False):
+    """(o_cmp: FoldedRows, block_indices, grouped): the compressed call, then the selection op unless
+    given. node: the gated node will take the call; where it is the grouped one, it is made without
+    a gradient of its own and grouped (compressed_groups.Grouped) is what the node's backward takes
+    (ops.gated_branches); else grouped is None."""
+    grouped = None
+    impl = compressed_impl(qs.fold, k_cmp, v_cmp, tiles, qs.docs) if k_cmp.shape[1] > 0 else "flex"
+    if node and impl != "flex":
+        o_cmp, lse_cmp, grouped = compressed_groups.compressed_grouped_detached(
+            qs.fold, k_cmp, v_cmp, config, qs.scale, impl == "cudnn", q_room=qs.room)
+    else:
+        o_cmp, lse_cmp = compressed_branch(qs.fold, k_cmp, v_cmp, config, qs.scale, tiles, qs.docs, q_room=qs.room)
     if block_indices is None:
         block_indices = select_blocks(q, k_cmp, lse_cmp, config, scale=qs.scale, cu_seqlens=cu_seqlens,
                                       cu_seqlens_cmp=qs.cu_cmp)
-    return o_cmp, block_indices
+    return o_cmp, block_indices, grouped
 
 
 class GatedSum(NamedTuple):
@@ -243,15 +253,20 @@ def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_ind
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
     forced_local = _forces_local(block_indices, config, tiles)
-    o_cmp, block_indices = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles, block_indices)
     G = q.shape[2] // Hkv
-    if tiles.selected_impl(T, G) == "block":
+    block = tiles.selected_impl(T, G) == "block"
+    if block:
         k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-        if gates is not None and _gated_node(qs, k_win, v_win, config, tiles, with_local=k_win is k and forced_local):
+    node = block and gates is not None and _gated_node(qs, k_win, v_win, config, tiles,
+                                                       with_local=k_win is k and forced_local)
+    o_cmp, block_indices, grouped = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles,
+                                                              block_indices, node)
+    if block:
+        if node:
             # The window op's impl ("triton" or "torch") is the node's, its gated sum's too.
             impl = window_impl(q_fold, k, v, tiles, docs)
             o, o_sel, o_win = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates,
-                                             scale=scale, impl=impl, return_branches=True)
+                                             scale=scale, impl=impl, return_branches=True, grouped=grouped)
             return o_cmp, o_sel, o_win, block_indices, GatedSum(o, impl)
         # The window first: its op hands the selected op the partial over the local blocks.
         o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,

@@ -16,14 +16,13 @@ call in plain torch, for other devices and the tests.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import FoldedRows
-from nsa_flex.ops.selected_attention.launch import PARTIAL_BYTES
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 """(q [N, H, L, Dk], k [N, 1, L, Dk], v [N, 1, L, Dv], scale) -> (o [N, H, L, Dv], lse [N, H, L] natural log),
@@ -50,7 +49,7 @@ def cudnn_attention_lse(q, k, v, scale: float):
     """Attend by cuDNN (CUDA, 16-bit): causal, kv heads shared GQA-style, lse in natural log.
 
     One compressed token (Tc = 1, T < l + d) runs causal_attention_lse: cuDNN rejects
-    s_q = s_kv = 1. The backward runs in slices of the batch (_CudnnCausal).
+    s_q = s_kv = 1. The backward runs in slices (_CudnnCausal, cudnn_backward).
     """
     if q.shape[2] == 1:
         return causal_attention_lse(q, k, v, scale)
@@ -58,47 +57,93 @@ def cudnn_attention_lse(q, k, v, scale: float):
     return o, lse.reshape(q.shape[:3])
 
 
-def backward_slices(N: int, H: int, Hk: int, L: int, Dk: int, Dv: int) -> int:
-    """Batch rows per cuDNN backward call of _CudnnCausal (N rows of H query heads on Hk kv heads,
-    L positions).
+CUDNN_BACKWARD_BYTES = 512 << 20
+"""The most bytes of cuDNN's fp32 per-query-head dK / dV one backward call may hold (see
+backward_slices). 512 MiB: G=16 at 64k (d*G = 256 heads, 1 GiB a batch row) takes two calls a row
+and seeds-125m's heads one call in all (docs/decisions.md, "The compressed branch as one cuDNN
+call")."""
+
+
+def backward_slices(N: int, H: int, Hk: int, L: int, Dk: int, Dv: int) -> tuple[int, int]:
+    """(batch rows, query heads) per cuDNN backward call (N rows of H query heads on Hk kv heads, L
+    positions).
 
     With GQA (Hk < H) cuDNN's backward holds dK and dV of every query head in fp32 before it sums
-    them per kv head: 4 H L (Dk + Dv) bytes a batch row. In the grouped call H is d*G (256 at
-    G=16), so at 64k that buffer was the op's peak: 4.0 GiB at G=16 (docs/decisions.md, "The
-    compressed branch as one cuDNN call"). So a call takes as many rows as keep it within the
-    bound of the selected op's partials (PARTIAL_BYTES), at least one; a row's gradients come out
-    of one call as before. Each call more costs time (~0.1-0.2 ms at 64k), so rows that fit go in
-    one call.
+    them per kv head: 4 L (Dk + Dv) bytes a query head. In the grouped call H is d*G (256 at G=16),
+    and at 64k that buffer was the op's peak (4.0 GiB at G=16 in one call). So a call takes as
+    many rows as keep it within CUDNN_BACKWARD_BYTES; where one row does not fit, a call takes
+    part of a row's heads (whole groups of a kv head where there are several; any count over one
+    kv head), at least one group. Each call more costs time (~0.1-0.2 ms at 64k), so what fits
+    goes in one call.
     """
     if Hk >= H:
-        return N
-    return max(1, min(N, PARTIAL_BYTES // max(1, 4 * H * L * (Dk + Dv))))
+        return N, H
+    fit = CUDNN_BACKWARD_BYTES // max(1, 4 * L * (Dk + Dv))
+    if fit >= H:
+        return max(1, min(N, fit // H)), H
+    unit = H // Hk if Hk > 1 else 1
+    return 1, min(H, max(unit, fit // unit * unit))
+
+
+def cudnn_forward(q, k, v, scale: float):
+    """(o, lse, seed, offset): aten._scaled_dot_product_cudnn_attention's causal forward with lse
+    (natural log, [N, H, L, 1]); seed and offset are what its backward takes back. Records no
+    gradient of its own: callers give it inputs that need none (_CudnnCausal, or detached)."""
+    o, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return o, lse, seed, offset
+
+
+def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float):
+    """(dq, dk, dv) of cudnn_forward's call, in the calls backward_slices gives.
+
+    A row split over calls of its heads gets its dK / dV as the sum of the calls' in fp32, one
+    rounding more per call than one call would make (cuDNN returns each in q's dtype); its dQ
+    heads are the calls' own."""
+    N, H, L, Dk = q.shape
+    Hk, Dv = k.shape[1], v.shape[-1]
+    rows, heads = backward_slices(N, H, Hk, L, Dk, Dv)
+
+    def call(r, hs, ks):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do[r, hs], q[r, hs], k[r, ks], v[r, ks], o[r, hs], lse[r, hs], seed, offset, None, None, None, L, L,
+            0.0, True, scale=scale)
+
+    every = slice(None)
+    if rows >= N and heads >= H:
+        return call(every, every, every)
+    unit = H // Hk if Hk > 1 else 1
+    grads = []
+    for i in range(0, N, rows):
+        r = slice(i, i + rows)
+        if heads >= H:
+            grads.append(call(r, every, every))
+            continue
+        parts = [call(r, slice(h, h + heads), slice(h // unit, (h + heads) // unit) if Hk > 1 else every)
+                 for h in range(0, H, heads)]
+        dq = torch.cat([p[0] for p in parts], 1)
+        if Hk > 1:  # each call had kv heads of its own
+            grads.append((dq, torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1)))
+        else:
+            dk, dv = (torch.stack([p[j] for p in parts]).float().sum(0).to(q.dtype) for j in (1, 2))
+            grads.append((dq, dk, dv))
+    return tuple(torch.cat(parts) for parts in zip(*grads))
 
 
 class _CudnnCausal(torch.autograd.Function):
-    """aten._scaled_dot_product_cudnn_attention (causal, lse), its backward in slices of the batch."""
+    """cudnn_forward with autograd through cudnn_backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float):
-        o, lse, _, _, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale)
+        o, lse, seed, offset = cudnn_forward(q, k, v, scale)
         ctx.save_for_backward(q, k, v, o, lse, seed, offset)
-        ctx.args = (max_q, max_k, scale)
+        ctx.scale = scale
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, seed, offset = ctx.saved_tensors
-        max_q, max_k, scale = ctx.args
-        N = q.shape[0]
-        step = backward_slices(N, q.shape[1], k.shape[1], q.shape[2], q.shape[3], v.shape[3])
-        grads = [torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do[i:i + step], q[i:i + step], k[i:i + step], v[i:i + step], o[i:i + step], lse[i:i + step], seed, offset,
-            None, None, None, max_q, max_k, 0.0, True, scale=scale) for i in range(0, N, step)]
-        if len(grads) == 1:
-            return (*grads[0], None)
-        return (*(torch.cat(parts) for parts in zip(*grads)), None)
+        return (*cudnn_backward(do, *ctx.saved_tensors, ctx.scale), None)
 
 
 def causal_attention_lse(q, k, v, scale: float):
@@ -113,11 +158,69 @@ def causal_attention_lse(q, k, v, scale: float):
     return o.to(q.dtype), lse.float()
 
 
+def causal_attention_backward(do, q, k, v, o, lse, scale: float):
+    """(dq, dk, dv) of causal_attention_lse in plain torch (at least fp32), from its o and lse
+    ([N, H, L], natural log): P = exp(S - lse), dS = P (dO V^T - rowsum(dO o)), dK / dV summed over
+    the query heads of each kv head."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    N, H, L, _ = q.shape
+    Hk = k.shape[1]
+    qf, kf, vf, of, dof = (t.to(dtype) for t in (q, k, v, o, do))
+    kr, vr = (t.repeat_interleave(H // Hk, dim=1) for t in (kf, vf))
+    s = (qf @ kr.transpose(-1, -2)) * scale
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    p = torch.exp(s - lse.reshape(N, H, L, 1).to(dtype)).masked_fill(~causal, 0.0)
+    ds = p * (dof @ vr.transpose(-1, -2) - (dof * of).sum(-1, keepdim=True))
+    dq = (ds @ kr) * scale
+    dk = ((ds.transpose(-1, -2) @ qf) * scale).view(N, Hk, H // Hk, L, -1).sum(2)
+    dv = (p.transpose(-1, -2) @ dof).view(N, Hk, H // Hk, L, -1).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def grouped_rows(rows: int, config: NSAConfig, Tc: int) -> int:
     """Folded query rows the grouped call reads: the (l-1)*G rows before the first group, then Tc
     groups of d*G rows, the last one padded past the `rows` real ones."""
     G = config.group_size
     return max(rows, min(rows, (config.cmp_block - 1) * G) + Tc * config.cmp_stride * G)
+
+
+def to_grouped(rows: torch.Tensor, groups: int) -> torch.Tensor:
+    """Folded rows [B, Hkv, Tc*dG, D] of `groups` = Tc groups as the call's [B*Hkv, dG, Tc, D] (group I,
+    row j -> position I, head j). A view where the rows are (as cuDNN's output, and what the
+    branches write in its layout)."""
+    B, Hkv, n, D = rows.shape
+    dG = n // groups
+    return rows.view(B, Hkv, groups, dG, D).transpose(2, 3).reshape(B * Hkv, dG, groups, D)
+
+
+def _operands(q_fold, k_cmp, v_cmp, config: NSAConfig, q_room):
+    """(q4 [B*Hkv, dG, Tc, Dk] a view of q_room's rows, k4 / v4 [B*Hkv, 1, Tc, D], head rows)."""
+    B, Hkv, rows, Dk = q_fold.shape
+    Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
+    G, l, d = config.group_size, config.cmp_block, config.cmp_stride
+    head = min(rows, (l - 1) * G)  # rows of the tokens before the first complete block: o = 0, lse = -inf
+    need = grouped_rows(rows, config, Tc)
+    if q_room is None:
+        q_room = F.pad(q_fold, (0, 0, 0, need - rows))
+    elif q_room.shape[2] < need or q_room.shape[:2] != q_fold.shape[:2]:
+        raise ValueError(f"q_room {tuple(q_room.shape)} must be [{B}, {Hkv}, >= {need}, {Dk}] (grouped_rows)")
+    # Group I holds folded rows head + I*d*G ... (I+1)*d*G - 1.
+    q4 = to_grouped(q_room[:, :, head:head + Tc * d * G], Tc)
+    k4 = k_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dk)
+    v4 = v_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dv)
+    return q4, k4, v4, head
+
+
+def _results(o4, lse4, config: NSAConfig, B: int, Hkv: int, T: int, head: int) -> tuple[FoldedRows, torch.Tensor]:
+    """The call's (o4, lse4) as compressed_grouped returns them."""
+    N, dG, Tc, Dv = o4.shape
+    G, d = config.group_size, config.cmp_stride
+    # cuDNN lays its output out like q4 (a group's rows innermost): then this is a view.
+    o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)
+    # lse4 [B*Hkv, d*G, Tc], head j*G + g of group I -> lse [B, Hkv*G, T] at token l - 1 + I*d + j.
+    lse = lse4.reshape(B, Hkv, d, G, Tc).permute(0, 1, 3, 4, 2).reshape(B, Hkv * G, Tc * d)[..., :T - head // G]
+    lse = torch.cat([lse.new_full((B, Hkv * G, head // G), float("-inf")), lse.float()], dim=-1)
+    return FoldedRows(o, head), lse
 
 
 def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, config: NSAConfig,
@@ -133,26 +236,53 @@ def compressed_grouped(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
     it, so the copy the backward keeps is the one the other branches keep anyway; without it the
     rows are padded into a new tensor here.
     """
-    B, Hkv, rows, Dk = q_fold.shape
-    Tc, Dv = k_cmp.shape[1], v_cmp.shape[-1]
-    G, l, d = config.group_size, config.cmp_block, config.cmp_stride
-    T = rows // G
-    head = min(rows, (l - 1) * G)  # rows of the tokens before the first complete block: o = 0, lse = -inf
-    dG = d * G
-    need = grouped_rows(rows, config, Tc)
-    if q_room is None:
-        q_room = F.pad(q_fold, (0, 0, 0, need - rows))
-    elif q_room.shape[2] < need or q_room.shape[:2] != q_fold.shape[:2]:
-        raise ValueError(f"q_room {tuple(q_room.shape)} must be [{B}, {Hkv}, >= {need}, {Dk}] (grouped_rows)")
-    # Group I holds folded rows head + I*d*G ... (I+1)*d*G - 1.
-    x = q_room[:, :, head:head + Tc * dG]
-    q4 = x.view(B, Hkv, Tc, dG, Dk).transpose(2, 3).reshape(B * Hkv, dG, Tc, Dk)
-    k4 = k_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dk)
-    v4 = v_cmp.transpose(1, 2).reshape(B * Hkv, 1, Tc, Dv)
+    B, Hkv, rows, _ = q_fold.shape
+    q4, k4, v4, head = _operands(q_fold, k_cmp, v_cmp, config, q_room)
     o4, lse4 = attend(q4, k4, v4, scale)
-    # cuDNN lays its output out like q4 (a group's rows innermost): then this is a view.
-    o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)
-    # lse4 [B*Hkv, d*G, Tc], head j*G + g of group I -> lse [B, Hkv*G, T] at token l - 1 + I*d + j.
-    lse = lse4.view(B, Hkv, d, G, Tc).permute(0, 1, 3, 4, 2).reshape(B, Hkv * G, Tc * d)[..., :T - head // G]
-    lse = torch.cat([lse.new_full((B, Hkv * G, head // G), float("-inf")), lse.float()], dim=-1)
-    return FoldedRows(o, head), lse
+    return _results(o4, lse4, config, B, Hkv, rows // config.group_size, head)
+
+
+class Grouped(NamedTuple):
+    """The grouped call made without a gradient of its own (compressed_grouped_detached): what its
+    backward (grouped_backward) takes besides o and dO, for an autograd node that runs it."""
+
+    q: torch.Tensor
+    """[B*Hkv, d*G, Tc, Dk], a view of q_room's rows (its gradient is theirs)."""
+    k: torch.Tensor
+    """[B*Hkv, 1, Tc, Dk] (its gradient goes to k_cmp)."""
+    v: torch.Tensor
+    """[B*Hkv, 1, Tc, Dv]."""
+    lse: torch.Tensor
+    """The call's lse, natural log, as the call returned it."""
+    seed: torch.Tensor | None
+    """cuDNN's seed and offset (None where the torch call ran)."""
+    offset: torch.Tensor | None
+    cudnn: bool
+    """Whether cuDNN made it (else causal_attention_lse)."""
+
+
+def compressed_grouped_detached(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, config: NSAConfig,
+                                scale: float, cudnn: bool,
+                                q_room: torch.Tensor | None = None) -> tuple[FoldedRows, torch.Tensor, Grouped]:
+    """compressed_grouped's (o, lse), with no gradient through them, and the Grouped the caller's
+    autograd node hands grouped_backward: its gradients of Grouped.q / .k / .v are those of q_room
+    and k_cmp / v_cmp. cudnn: cuDNN's call (cudnn_applies), else causal_attention_lse. Lets the
+    node run this backward where it chooses (ops.gated_branches: before the window and selected
+    branches', so that the call's buffers are gone before theirs exist)."""
+    B, Hkv, rows, _ = q_fold.shape
+    q4, k4, v4, head = _operands(q_fold, k_cmp, v_cmp, config, q_room)
+    cudnn = cudnn and q4.shape[2] > 1  # one compressed token: cuDNN rejects s_q = s_kv = 1
+    if cudnn:
+        o4, lse4, seed, offset = cudnn_forward(q4.detach(), k4.detach(), v4.detach(), scale)
+    else:
+        (o4, lse4), seed, offset = causal_attention_lse(q4.detach(), k4.detach(), v4.detach(), scale), None, None
+    o, lse = _results(o4, lse4, config, B, Hkv, rows // config.group_size, head)
+    return o, lse, Grouped(q4, k4, v4, lse4, seed, offset, cudnn)
+
+
+def grouped_backward(do4, o4, q4, k4, v4, lse4, seed, offset, cudnn: bool, scale: float):
+    """(dq4, dk4, dv4) of compressed_grouped_detached's call, from its output gradient do4 and output
+    o4 ([B*Hkv, dG, Tc, Dv], to_grouped of the folded rows) and the Grouped fields."""
+    if cudnn:
+        return cudnn_backward(do4, q4, k4, v4, o4, lse4, seed, offset, scale)
+    return causal_attention_backward(do4, q4, k4, v4, o4, lse4, scale)

@@ -17,6 +17,12 @@ itself:
   over those keys, sharing the scores and dP (both branches see dO), and the selected backward
   walks the other n - 2 slots, adding its sums into the window's gradients in place.
 
+Where the compressed branch is the grouped call (flex.compressed_groups), the node also runs that
+call's backward (given `grouped`, the call made without a gradient of its own): right after the
+gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV, its dQ) come and go before the
+window and selected branches' exist. As separate nodes the compressed backward ran last, beside
+the others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md).
+
 The node trusts its selection: every token's block_indices must list its own block and the one
 before, and no block twice (the selection op's own selection with n_local = 2). So it is not public: the flex path
 calls it where that holds (flex.branches._forces_local). Off the kernels (impl="torch", or off
@@ -24,6 +30,8 @@ CUDA) it runs the three ops' torch twins, which compute every slot themselves.
 """
 
 # No `from __future__ import annotations` here: torch.library reads the ops' annotations.
+from typing import TYPE_CHECKING, Optional
+
 import torch
 from torch import Tensor
 from torch.library import triton_op
@@ -40,10 +48,13 @@ from nsa_flex.ops.selected_attention import launch as selected_launch
 from nsa_flex.ops.selected_attention import twin as selected_twin
 from nsa_flex.ops.triton_utils import dense, quiet_without_triton
 
+if TYPE_CHECKING:
+    from nsa_flex.flex.compressed_groups import Grouped
+
 
 def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
                    cmp_head: int, gates: Tensor, *, scale: float | None = None, impl: str = "auto",
-                   return_branches: bool = False):
+                   return_branches: bool = False, grouped: "Grouped | None" = None):
     """o [B, T, Hq, Dv] in q's dtype; differentiable in q, k, v, cmp_rows and gates. With
     return_branches, (o, o_sel, o_win): the branch outputs the node keeps for its backward
     (no gradient flows through them), in the layouts nsa_flex::gated_sum reads.
@@ -66,8 +77,18 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
     check_branch_outputs(cmp_rows, cmp_head, o_win, gates, (B, T, config.n_heads, v.shape[-1]), q.dtype,
                                       window_op._runs_kernels(q, k, v, impl))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cmp = ()
+    if grouped is not None:
+        if cmp_rows.requires_grad:
+            raise ValueError("gated_branches: with grouped, cmp_rows is the grouped call's output made without a "
+                             "gradient (compressed_groups.compressed_grouped_detached); it needs none")
+        g = grouped
+        if g.q.shape[:3] != (cmp_rows.shape[0] * cmp_rows.shape[1], cmp_rows.shape[2] // g.q.shape[2], g.q.shape[2]):
+            raise ValueError(f"gated_branches: grouped queries {tuple(g.q.shape)} do not match cmp_rows "
+                             f"{tuple(cmp_rows.shape)} ([B*Hkv, rows / Tc, Tc, Dk])")
+        cmp = (g.q, g.k, g.v, g.lse, g.seed, g.offset, g.cudnn)
     o, o_sel, _, o_win, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G,
-                                                               config.window, config.sel_block, scale, impl)
+                                                               config.window, config.sel_block, scale, impl, *cmp)
     return (o, o_sel, o_win) if return_branches else o
 
 
@@ -78,10 +99,14 @@ def _no_index(q: Tensor) -> list[Tensor]:
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor, cmp_head: int,
                   gates: Tensor, group: int, window: int, sel_block: int, scale: float,
-                  impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                      Tensor]:
+                  impl: str, q_cmp: Optional[Tensor] = None, k_cmp: Optional[Tensor] = None,
+                  v_cmp: Optional[Tensor] = None, lse_cmp: Optional[Tensor] = None, cmp_seed: Optional[Tensor] = None,
+                  cmp_offset: Optional[Tensor] = None,
+                  cmp_cudnn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                    Tensor, Tensor, Tensor]:
     """(o, o_sel, lse_sel, o_win, lse_win, and the selected op's SavedIndex fields: its backward
-    reuses the index instead of building it again)."""
+    reuses the index instead of building it again). q_cmp ... cmp_cudnn: the Grouped fields (None /
+    False without), read by the backward only."""
     q_heads = group * k.shape[2]
     if not window_op._runs_kernels(q, k, v, impl):
         o_win, lse_win, _, _ = window_op.twin.forward(q, k, v, group, window, scale)
@@ -99,24 +124,49 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_ro
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_rows: Tensor,
                    cmp_head: int, gates: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
                    index: list[Tensor], group: int, window: int, sel_block: int, scale: float,
-                   impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   impl: str, q_cmp: Optional[Tensor] = None, k_cmp: Optional[Tensor] = None,
+                   v_cmp: Optional[Tensor] = None, lse_cmp: Optional[Tensor] = None,
+                   cmp_seed: Optional[Tensor] = None, cmp_offset: Optional[Tensor] = None,
+                   cmp_cudnn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d cmp_rows, d gates, and with q_cmp the grouped call's dq4, dk4, dv4; d cmp_rows
+    is then empty, and without q_cmp those three are)."""
     q_heads = group * k.shape[2]
     do, = dense(do)  # once, for the three launches that read it
     if not window_op._runs_kernels(q, k, v, impl):
         d_cmp, d_sel, d_win, d_gates = gated_sum_twin.backward(do, cmp_rows, cmp_head, o_sel, o_win, gates)
+        d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
+                                                cmp_cudnn, scale)
         dq, dk, dv = window_op.twin.backward(d_win, q, k, v, group, window, scale)
         dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
                                                None, scale, sel_block)
-        return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates
+        return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
     d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(do, cmp_rows, cmp_head, o_sel, o_win,
                                                                                gates)
+    # The compressed call's backward first: its buffers are gone before the window's and selected's exist.
+    d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
+                                            cmp_cudnn, scale)
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
                                sel=(lse_sel, delta_sel, gate_sel, sel_block))
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
                                           q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
                                           index=selected_launch.SavedIndex(*index))
-    return dq, dk, dv, d_cmp, d_gates
+    return dq, dk, dv, d_cmp, d_gates, *cmp_grads
+
+
+def _compressed_backward(d_cmp: Tensor, cmp_rows: Tensor, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
+                         cmp_cudnn: bool, scale: float) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """(d cmp_rows, (dq4, dk4, dv4)): without the grouped call (q_cmp None), d_cmp and three empty
+    tensors; with it, the call's gradients from d_cmp and an empty d cmp_rows."""
+    if q_cmp is None:
+        return d_cmp, tuple(d_cmp.new_empty(0) for _ in range(3))
+    # flex imports this module: the grouped call's code comes at call time.
+    from nsa_flex.flex.compressed_groups import grouped_backward, to_grouped
+
+    Tc = q_cmp.shape[2]
+    grads = grouped_backward(to_grouped(d_cmp, Tc), to_grouped(cmp_rows, Tc), q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed,
+                             cmp_offset, cmp_cudnn, scale)
+    return d_cmp.new_empty(0), grads
 
 
 with quiet_without_triton():
@@ -125,7 +175,8 @@ with quiet_without_triton():
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl):
+def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl, q_cmp=None,
+                  k_cmp=None, v_cmp=None, lse_cmp=None, cmp_seed=None, cmp_offset=None, cmp_cudnn=False):
     B, T, Hkv, _ = k.shape
     Hq, Dv = Hkv * group, v.shape[-1]
     if window_op._runs_kernels(q, k, v, impl):
@@ -139,26 +190,43 @@ def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, wind
 
 @_backward_op.register_fake
 def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index,
-                   group, window, sel_block, scale, impl):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(cmp_rows, memory_format=torch.contiguous_format),
-            torch.empty_like(gates, memory_format=torch.contiguous_format))
+                   group, window, sel_block, scale, impl, q_cmp=None, k_cmp=None, v_cmp=None, lse_cmp=None,
+                   cmp_seed=None, cmp_offset=None, cmp_cudnn=False):
+    grads = (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v))
+    d_gates = torch.empty_like(gates, memory_format=torch.contiguous_format)
+    if q_cmp is None:
+        return (*grads, torch.empty_like(cmp_rows, memory_format=torch.contiguous_format), d_gates,
+                *(cmp_rows.new_empty(0) for _ in range(3)))
+    return (*grads, cmp_rows.new_empty(0), d_gates, torch.empty_like(q_cmp, memory_format=torch.contiguous_format),
+            torch.empty_like(k_cmp, memory_format=torch.contiguous_format),
+            torch.empty_like(v_cmp, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl = inputs
+    q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl, *cmp = inputs
+    # The grouped call's fields, None / False where not given.
+    q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset, cmp_cudnn = (*cmp, *[None] * 6, False)[:7]
     _, o_sel, lse_sel, o_win, lse_win, *index = output
     ctx.mark_non_differentiable(o_sel, lse_sel, o_win, lse_win, *index)
-    ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, *index)
+    ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, q_cmp, k_cmp, v_cmp,
+                          lse_cmp, cmp_seed, cmp_offset, *index)
     ctx.args = (cmp_head, group, window, sel_block, scale, impl)
+    ctx.cmp_cudnn = cmp_cudnn
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
-    q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, *index = ctx.saved_tensors
+    q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, *cmp_index = ctx.saved_tensors
+    cmp, index = cmp_index[:6], cmp_index[6:]
     cmp_head, *rest = ctx.args
-    dq, dk, dv, d_cmp, d_gates = torch.ops.nsa_flex.gated_branches_backward(
-        do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index, *rest)
-    return dq, dk, dv, None, d_cmp, None, d_gates, None, None, None, None, None
+    dq, dk, dv, d_cmp, d_gates, dq_cmp, dk_cmp, dv_cmp = torch.ops.nsa_flex.gated_branches_backward(
+        do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index, *rest, *cmp,
+        ctx.cmp_cudnn)
+    grads = [dq, dk, dv, None, d_cmp, None, d_gates, None, None, None, None, None]
+    if cmp[0] is not None:
+        grads[4] = None
+        grads += [dq_cmp, dk_cmp, dv_cmp, None, None, None, None]
+    return tuple(grads[:ctx.n_inputs] + [None] * (ctx.n_inputs - len(grads)))
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
