@@ -266,3 +266,19 @@ def test_grouped_call_needs_cmp_rows_without_gradient():
     with pytest.raises(ValueError, match="needs none"):
         gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x.clone().requires_grad_(), rows.head, x["gates"],
                        impl="torch", grouped=grouped)
+
+
+@interpreter
+def test_backward_deltas_cmp_apart_equals_one_launch():
+    """The gated sum's deltas with d cmp_rows in a launch of its own: every output equal to one
+    launch's, bit for bit."""
+    from nsa_flex.ops.gated_sum import backward_deltas
+
+    cfg, x, bi, head, do = make_case(1, 70, 2, 3, 32, 32, 64, 4)
+    T, Hkv, G = 70, 2, 3
+    o_sel = torch.randn(1, T, Hkv * G, 32)
+    o_win = torch.randn(1, Hkv, T * G, 32)
+    one = backward_deltas(do, x["cmp_rows"], head, o_sel, o_win, x["gates"])
+    apart = backward_deltas(do, x["cmp_rows"], head, o_sel, o_win, x["gates"], cmp_apart=True)
+    for a, b in zip(apart, one):
+        assert torch.equal(a, b)

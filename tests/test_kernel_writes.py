@@ -123,6 +123,7 @@ gs._forward_impl(cmp_rows, 0, o_sel, o_win, gates, "triton")
 gs._backward_impl(do, cmp_rows, 0, o_sel, o_win, gates, "triton")
 sk.select_blocks_triton(q, k_cmp, lse_cmp, None, None, scale, cfg)
 # nsa_flex::gated_branches' backward: the gated sum's deltas, the window's and the selected op's kernels from dO.
+gs.backward_deltas(do, cmp_rows, 0, o_sel, o_win, gates, cmp_apart=True)
 d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = gs.backward_deltas(do, cmp_rows, 0, o_sel, o_win, gates)
 grads = win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, gate=gate_win, delta=delta_win,
                      sel=(lse_sel, delta_sel, gate_sel, L))

@@ -140,9 +140,11 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
         dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
                                                None, scale, sel_block)
         return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
-    d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(do, cmp_rows, cmp_head, o_sel, o_win,
-                                                                               gates)
-    # The compressed call's backward first: its buffers are gone before the window's and selected's exist.
+    # With the grouped call, d cmp_rows is the call's output gradient, consumed here: it comes once
+    # o_sel and o_win are gone (cmp_apart), and the call's backward next, so that its buffers are
+    # gone before the window's and selected's exist.
+    d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(
+        do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=q_cmp is not None)
     d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
                                             cmp_cudnn, scale)
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])

@@ -78,26 +78,42 @@ def _backward_impl(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_win
 
 
 def backward_deltas(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_win: Tensor,
-                    gates: Tensor) -> tuple[Tensor, ...]:
+                    gates: Tensor, cmp_apart: bool = False) -> tuple[Tensor, ...]:
     """The gated sum's backward for a caller that takes the selected and window branches' output
     gradients as g_b dO inside their kernels (nsa_flex::gated_branches): (d cmp_rows, d gates,
     delta_sel [B, Hq, T], delta_win [B, Hkv, T*G], gate_sel, gate_win): the deltas rowsum(dO * o_b)
     and the two gates per row, fp32, in the layouts of those branches' lse. Triton kernels (CUDA,
-    or CPU under the interpreter); arguments as gated_sum's, already checked."""
+    or CPU under the interpreter); arguments as gated_sum's, already checked.
+
+    cmp_apart: d cmp_rows = g_cmp dO in a launch of its own after the rest, so that it is
+    allocated once o_sel and o_win are no longer needed (one more read of dO): with the three
+    branch outputs, q and o alive, one more [T, Hq, Dv] there was the op's peak at G=16, 64k
+    (docs/decisions.md)."""
     do, cmp_rows, o_sel, o_win, gates = dense(do, cmp_rows, o_sel, o_win, gates)
     B, T, Hq, Dv = o_sel.shape
     Hkv = o_win.shape[1]
-    d_cmp, d_gates = torch.empty_like(cmp_rows), torch.empty_like(gates)
+    d_gates = torch.empty_like(gates)
     delta_sel, gate_sel = (torch.empty(B, Hq, T, dtype=torch.float32, device=do.device) for _ in range(2))
     delta_win, gate_win = (torch.empty(B, Hkv, T * (Hq // Hkv), dtype=torch.float32, device=do.device)
                            for _ in range(2))
     rows = max(T * Hq // Hkv, head + cmp_rows.shape[2])
-    if B * T * Hq > 0:
-        wrap_triton(kernels._sum_deltas_kernel)[_grid(rows, B * Hkv)](
-            do, cmp_rows, o_sel, o_win, gates, d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win, T, Hkv,
-            Hq // Hkv, head, cmp_rows.shape[2], *do.stride()[:3], *_bhr(cmp_rows), *o_sel.stride()[:3],
-            *_bhr(o_win), *gates.stride()[:3], *d_gates.stride()[:3], ROWS=_ROWS, D=Dv, DP=max(16, next_pow2(Dv)),
-            num_warps=4)
+
+    def launch(d_cmp, stats: bool, cmp_grad: bool):
+        if B * T * Hq > 0:
+            wrap_triton(kernels._sum_deltas_kernel)[_grid(rows, B * Hkv)](
+                do, cmp_rows, o_sel, o_win, gates, d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win, T, Hkv,
+                Hq // Hkv, head, cmp_rows.shape[2], *do.stride()[:3], *_bhr(cmp_rows), *o_sel.stride()[:3],
+                *_bhr(o_win), *gates.stride()[:3], *d_gates.stride()[:3], ROWS=_ROWS, D=Dv,
+                DP=max(16, next_pow2(Dv)), STATS=stats, CMP_GRAD=cmp_grad, num_warps=4)
+
+    if cmp_apart:
+        # The first launch stores no d cmp_rows: d_gates stands in for the pointer.
+        launch(d_gates, True, False)
+        d_cmp = torch.empty_like(cmp_rows)
+        launch(d_cmp, False, True)
+    else:
+        d_cmp = torch.empty_like(cmp_rows)
+        launch(d_cmp, True, True)
     return d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win
 
 

@@ -104,7 +104,8 @@ if HAS_TRITON:
         gate_win_ptr, T, Hkv, G,
         HEAD, RC, sdo_b, sdo_t, sdo_h, sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h,
         sdg_b, sdg_t, sdg_h,
-        ROWS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        ROWS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, STATS: tl.constexpr = True,
+        CMP_GRAD: tl.constexpr = True,
     ):
         """_sum_bwd_kernel for a caller that takes the selected and window branches' output
         gradients as g_b dO inside their own kernels (nsa_flex::gated_branches): the compressed
@@ -112,6 +113,9 @@ if HAS_TRITON:
         gradients their deltas rowsum(dO * o_b) in fp32 (the gates' gradients before rounding):
         delta_sel [B, Hq, T], delta_win [B, Hkv, T G], dense; and their gates as fp32 rows in the
         same layouts (gate_sel, gate_win), which those kernels read as they read lse.
+
+        STATS: the gates' gradients, the deltas and gate rows; CMP_GRAD: g_cmp dO (both, or one per
+        launch: backward_deltas' cmp_apart).
 
         Its reads repeat _sum_bwd_kernel's: with them in a shared helper (the offsets its stores
         use coming back from a call that took the input pointers), Inductor's analysis counted
@@ -130,23 +134,26 @@ if HAS_TRITON:
         do = tl.load(do_ptr + b * sdo_b + t[:, None] * sdo_t + hq[:, None] * sdo_h + d[None, :], mask=m,
                      other=0.0).to(tl.float32)
         at_cmp = b * sc_b + h * sc_h + c[:, None] * sc_r + d[None, :]
-        x_cmp = tl.load(cmp_ptr + at_cmp, mask=(ok & c_ok)[:, None] & d_ok, other=0.0).to(tl.float32)
-        x_sel = tl.load(sel_ptr + b * ss_b + t[:, None] * ss_t + hq[:, None] * ss_h + d[None, :], mask=m,
-                        other=0.0).to(tl.float32)
-        x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=m,
-                        other=0.0).to(tl.float32)
-        # Past the sequence do is 0 (masked), so the padding rows of the compressed buffer get zeros.
-        tl.store(dcmp_ptr + at_cmp, (g0[:, None] * do).to(dcmp_ptr.dtype.element_ty), mask=c_ok[:, None] & d_ok)
-        d_sel = tl.sum(do * x_sel, axis=1)
-        d_win = tl.sum(do * x_win, axis=1)
-        dgate = dgate_ptr + b * sdg_b + t * sdg_t + hq * sdg_h
-        ty = dgate_ptr.dtype.element_ty
-        tl.store(dgate, tl.sum(do * x_cmp, axis=1).to(ty), mask=ok)
-        tl.store(dgate + 1, d_sel.to(ty), mask=ok)
-        tl.store(dgate + 2, d_win.to(ty), mask=ok)
-        at_sel = (b * Hkv * G + hq) * T + t
-        at_win = (b * Hkv + h) * T * G + r
-        tl.store(delta_sel_ptr + at_sel, d_sel, mask=ok)
-        tl.store(delta_win_ptr + at_win, d_win, mask=ok)
-        tl.store(gate_sel_ptr + at_sel, g1, mask=ok)
-        tl.store(gate_win_ptr + at_win, g2, mask=ok)
+        if CMP_GRAD:
+            # Past the sequence do is 0 (masked), so the padding rows of the compressed buffer get zeros.
+            tl.store(dcmp_ptr + at_cmp, (g0[:, None] * do).to(dcmp_ptr.dtype.element_ty),
+                     mask=c_ok[:, None] & d_ok)
+        if STATS:
+            x_cmp = tl.load(cmp_ptr + at_cmp, mask=(ok & c_ok)[:, None] & d_ok, other=0.0).to(tl.float32)
+            x_sel = tl.load(sel_ptr + b * ss_b + t[:, None] * ss_t + hq[:, None] * ss_h + d[None, :], mask=m,
+                            other=0.0).to(tl.float32)
+            x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=m,
+                            other=0.0).to(tl.float32)
+            d_sel = tl.sum(do * x_sel, axis=1)
+            d_win = tl.sum(do * x_win, axis=1)
+            dgate = dgate_ptr + b * sdg_b + t * sdg_t + hq * sdg_h
+            ty = dgate_ptr.dtype.element_ty
+            tl.store(dgate, tl.sum(do * x_cmp, axis=1).to(ty), mask=ok)
+            tl.store(dgate + 1, d_sel.to(ty), mask=ok)
+            tl.store(dgate + 2, d_win.to(ty), mask=ok)
+            at_sel = (b * Hkv * G + hq) * T + t
+            at_win = (b * Hkv + h) * T * G + r
+            tl.store(delta_sel_ptr + at_sel, d_sel, mask=ok)
+            tl.store(delta_win_ptr + at_win, d_win, mask=ok)
+            tl.store(gate_sel_ptr + at_sel, g1, mask=ok)
+            tl.store(gate_win_ptr + at_win, g2, mask=ok)
