@@ -98,22 +98,24 @@ def backward_deltas(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_wi
                            for _ in range(2))
     rows = max(T * Hq // Hkv, head + cmp_rows.shape[2])
 
-    def launch(d_cmp, stats: bool, cmp_grad: bool):
+    def launch(d_cmp, sel, win, stats: bool, cmp_grad: bool):
         if B * T * Hq > 0:
             wrap_triton(kernels._sum_deltas_kernel)[_grid(rows, B * Hkv)](
-                do, cmp_rows, o_sel, o_win, gates, d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win, T, Hkv,
+                do, cmp_rows, sel, win, gates, d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win, T, Hkv,
                 Hq // Hkv, head, cmp_rows.shape[2], *do.stride()[:3], *_bhr(cmp_rows), *o_sel.stride()[:3],
                 *_bhr(o_win), *gates.stride()[:3], *d_gates.stride()[:3], ROWS=_ROWS, D=Dv,
                 DP=max(16, next_pow2(Dv)), STATS=stats, CMP_GRAD=cmp_grad, num_warps=4)
 
     if cmp_apart:
-        # The first launch stores no d cmp_rows: d_gates stands in for the pointer.
-        launch(d_gates, True, False)
+        # The first launch stores no d cmp_rows (d_gates stands in for the pointer); the second reads
+        # neither branch output, and do stands in for them: a tensor a traced launch takes counts as
+        # read, and o_sel / o_win would be kept until it.
+        launch(d_gates, o_sel, o_win, True, False)
         d_cmp = torch.empty_like(cmp_rows)
-        launch(d_cmp, False, True)
+        launch(d_cmp, do, do, False, True)
     else:
         d_cmp = torch.empty_like(cmp_rows)
-        launch(d_cmp, True, True)
+        launch(d_cmp, o_sel, o_win, True, True)
     return d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win
 
 
