@@ -242,9 +242,17 @@ def test_node_takes_the_grouped_calls_backward(G, Hkv, T):
 
 
 @interpreter
-def test_node_takes_the_grouped_calls_backward_interpreted():
-    """The same with the node's Triton kernels (under the interpreter) in fp32 against its twin path."""
+@pytest.mark.parametrize("apart", [False, True], ids=["d_cmp-with-deltas", "d_cmp-apart"])
+def test_node_takes_the_grouped_calls_backward_interpreted(apart, monkeypatch):
+    """The same with the node's Triton kernels (under the interpreter) in fp32 against its twin path,
+    with d cmp_rows made with the deltas or apart (a bound of 1 byte makes every d cmp_rows large)."""
+    from nsa_flex.flex import compressed_groups
+    from nsa_flex.ops import gated_branches as node_module
+
+    if apart:
+        monkeypatch.setattr(compressed_groups, "CUDNN_BACKWARD_BYTES", 1)
     cfg, x, bi, do = grouped_case(1, 130, 1, 4, 64, 32, 64, 4, dtype=torch.float32)
+    assert node_module._cmp_apart(x["q_room"], x["q_room"]) == apart
     o = with_grouped(cfg, x, bi, "triton", detached=True)
     o_ref = with_grouped(cfg, x, bi, "torch", detached=False)
     names = list(x)

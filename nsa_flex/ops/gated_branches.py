@@ -140,11 +140,8 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
         dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
                                                None, scale, sel_block)
         return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
-    # With the grouped call, d cmp_rows is the call's output gradient, consumed here: it comes once
-    # o_sel and o_win are gone (cmp_apart), and the call's backward next, so that its buffers are
-    # gone before the window's and selected's exist.
     d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(
-        do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=q_cmp is not None)
+        do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=_cmp_apart(cmp_rows, q_cmp))
     d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
                                             cmp_cudnn, scale)
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
@@ -154,6 +151,23 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                                           q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
                                           index=selected_launch.SavedIndex(*index))
     return dq, dk, dv, d_cmp, d_gates, *cmp_grads
+
+
+def _cmp_apart(cmp_rows: Tensor, q_cmp) -> bool:
+    """Whether the grouped call's output gradient d cmp_rows comes in a launch of its own, once
+    o_sel and o_win are gone (gated_sum.backward_deltas' cmp_apart: one more read of dO).
+
+    With the grouped call that gradient is consumed here, by the call's backward, which runs next
+    (its buffers are gone before the window's and selected's exist). Beside q, o, o_cmp and it,
+    the deltas' launch holds o_sel and o_win, the call's backward its dQ and at most
+    CUDNN_BACKWARD_BYTES: the first is the larger moment where d cmp_rows (about as large as each
+    [T, Hq, Dv]) is larger than that bound (at G=16, 64k: 1 GiB against 512 MiB), and there it was
+    the op's peak (docs/decisions.md)."""
+    if q_cmp is None:
+        return False
+    from nsa_flex.flex.compressed_groups import CUDNN_BACKWARD_BYTES
+
+    return cmp_rows.numel() * cmp_rows.element_size() > CUDNN_BACKWARD_BYTES
 
 
 def _compressed_backward(d_cmp: Tensor, cmp_rows: Tensor, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
