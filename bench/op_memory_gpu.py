@@ -1,6 +1,11 @@
 """What is alive at the peak of one fwd+bwd of the op, against dense cuDNN, on a GPU.
 
     python -m bench.op_memory_gpu --out runs/bench/op_memory.json --shapes g4:65536 bench:65536
+    python -m bench.op_memory_gpu --timeline --out runs/bench/op_memory_timeline.json --shapes bench:65536
+
+With --timeline, for the op alone (gradients by autograd.grad, as nsa-flex bench takes them): every
+allocation and free of 48 MiB or more in order, with the running total over the inputs and the line
+that made it, where the peak falls among them, and what is alive then.
 
 For each preset:T, the op as nsa_attention runs by default (impl="flex", compiled on CUDA) on
 the attention bench's random bf16 inputs with gradients (nsa_flex.bench.impls.nsa_inputs), and dense cuDNN
@@ -17,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import header, json_saver
-from bench.memory_probe_gpu import peak_of
+from bench.memory_probe_gpu import peak_of, source_of
 from nsa_flex.attention import nsa_attention
 from nsa_flex.bench.attention import attention_config
 from nsa_flex.bench.impls import Problem, nsa_inputs
@@ -55,10 +60,55 @@ def measure(preset: str, T: int, impl: str) -> dict:
             "max_allocated_mib": torch.cuda.max_memory_allocated() / MIB, **peak_of(run, 40)}
 
 
+def timeline(preset: str, T: int, big: int = 48 * MIB) -> dict:
+    """The op's allocation timeline of one fwd+bwd after two warm-up calls (see the module docstring)."""
+    bench_cfg = attention_config(device="cuda", preset=preset, impls=("nsa-flex",), dtype="bf16")
+    cfg = bench_cfg.nsa
+    x = nsa_inputs(Problem(bench_cfg, T), grad=True)
+    do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
+    leaves = [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def run():
+        o = nsa_attention(**x, config=cfg, impl="flex")
+        torch.autograd.grad(o, leaves, do)
+
+    run()
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        run()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, peak_at, at_peak, seq = {}, 0, 0, 0, [], []
+    for ev in snap["device_traces"][torch.cuda.current_device()]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            total += ev["size"]
+            if ev["size"] >= big:
+                seq.append(["+", round(ev["size"] / MIB), round(total / MIB), source_of(ev.get("frames", []))[:230]])
+            if total > peak:
+                peak, at_peak, peak_at = total, list(live.values()), len(seq)
+        elif ev["action"] in ("free_requested", "free_completed") and ev["addr"] in live:
+            gone = live.pop(ev["addr"])
+            total -= gone["size"]
+            if gone["size"] >= big:
+                seq.append(["-", round(gone["size"] / MIB), round(total / MIB),
+                            source_of(gone.get("frames", []))[:120]])
+    alive = sorted(([round(e["size"] / MIB), source_of(e.get("frames", []))[:230]] for e in at_peak
+                    if e["size"] >= 16 * MIB), key=lambda a: -a[0])
+    return {"preset": preset, "T": T, "base_mib": base / MIB, "peak_over_base_mib": peak / MIB, "peak_at": peak_at,
+            "seq": seq, "alive": alive}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="+", default=["g4:65536"], help="preset:T each")
+    p.add_argument("--timeline", action="store_true", help="The op's allocation timeline instead (see above).")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     # The graph compiled here, not one Inductor cached from another version of the code.
@@ -68,6 +118,15 @@ def main() -> None:
     save = json_saver(args.out, record)
     for spec in args.shapes:
         preset, T = spec.split(":")
+        if args.timeline:
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+            row = timeline(preset, int(T))
+            record["rows"].append(row)
+            print(f"{spec}: peak over the inputs {row['peak_over_base_mib']:.0f} MiB, event {row['peak_at']} of "
+                  f"{len(row['seq'])}", flush=True)
+            save()
+            continue
         for impl in ("nsa", "dense"):
             torch.cuda.empty_cache()
             row = {"preset": preset, **measure(preset, int(T), impl)}

@@ -11,7 +11,8 @@ batch of the call.
 
 On CUDA the call is cuDNN's fused attention (aten._scaled_dot_product_cudnn_attention: output
 and natural-log lse, autograd through cuDNN's backward); `causal_attention_lse` is the same
-call in plain torch, for other devices and the tests.
+call in plain torch, for other devices and the tests. `compressed_grouped_detached` makes the call
+without a gradient of its own, for the gated node that runs its backward (`grouped_backward`).
 """
 
 from __future__ import annotations
