@@ -103,8 +103,8 @@ def test_q_room_too_short_is_refused():
 
 def test_cudnn_backward_slices():
     """(rows, heads) a cuDNN backward call: as many batch rows as keep cuDNN's fp32 dK / dV of
-    every query head within CUDNN_BACKWARD_BYTES, and where one row does not fit part of its heads
-    (whole groups of a kv head where there are several); everything without GQA."""
+    every query head within CUDNN_BACKWARD_BYTES, at least one, and where one row does not fit and
+    its heads share one kv head, part of its heads; everything without GQA."""
     from nsa_flex.flex.compressed_groups import CUDNN_BACKWARD_BYTES, backward_slices
 
     Tc = 4095
@@ -115,14 +115,13 @@ def test_cudnn_backward_slices():
     assert backward_slices(4, 256, 1, Tc, 128, 128) == (1, 128)
     assert backward_slices(4, 1024, 1, Tc, 128, 128) == (1, 128)
     assert backward_slices(12, 8, 8, 10**6, 128, 128) == (12, 8)
-    # Several kv heads: whole groups (of 128 heads here).
-    rows, heads = backward_slices(2, 512, 4, Tc, 128, 128)
-    assert rows == 1 and heads == 128
+    # Several kv heads: whole rows only.
+    assert backward_slices(2, 512, 4, Tc, 128, 128) == (1, 512)
     rows, heads = backward_slices(7, 64, 1, 3000, 128, 64)
     assert heads == 64 and rows * 4 * 64 * 3000 * 192 <= CUDNN_BACKWARD_BYTES < (rows + 1) * 4 * 64 * 3000 * 192
-    # At least one group even where one does not fit.
+    # At least one head even where one does not fit.
     assert backward_slices(1, 64, 1, 10**7, 128, 128) == (1, 1)
-    assert backward_slices(1, 64, 2, 10**7, 128, 128) == (1, 32)
+    assert backward_slices(3, 64, 2, 10**7, 128, 128) == (1, 64)
 
 
 @pytest.mark.parametrize("H", [6, 1])

@@ -70,20 +70,19 @@ def backward_slices(N: int, H: int, Hk: int, L: int, Dk: int, Dv: int) -> tuple[
     positions).
 
     With GQA (Hk < H) cuDNN's backward holds dK and dV of every query head in fp32 before it sums
-    them per kv head: 4 L (Dk + Dv) bytes a query head. In the grouped call H is d*G (256 at G=16),
-    and at 64k that buffer was the op's peak (4.0 GiB at G=16 in one call). So a call takes as
-    many rows as keep it within CUDNN_BACKWARD_BYTES; where one row does not fit, a call takes
-    part of a row's heads (whole groups of a kv head where there are several; any count over one
-    kv head), at least one group. Each call more costs time (~0.1-0.2 ms at 64k), so what fits
-    goes in one call.
+    them per kv head: 4 L (Dk + Dv) bytes a query head. In the grouped call H is d*G (256 at G=16)
+    on one kv head, and at 64k that buffer was the op's peak (4.0 GiB at G=16 in one call). So a
+    call takes as many rows as keep it within CUDNN_BACKWARD_BYTES, at least one; where one row
+    does not fit and its heads share one kv head (the grouped call), a call takes part of the
+    row's heads, at least one. Each call more costs time (~0.1-0.2 ms at 64k), so what fits goes
+    in one call.
     """
     if Hk >= H:
         return N, H
     fit = CUDNN_BACKWARD_BYTES // max(1, 4 * L * (Dk + Dv))
-    if fit >= H:
+    if fit >= H or Hk > 1:
         return max(1, min(N, fit // H)), H
-    unit = H // Hk if Hk > 1 else 1
-    return 1, min(H, max(unit, fit // unit * unit))
+    return 1, max(1, fit)
 
 
 def cudnn_forward(q, k, v, scale: float):
@@ -98,36 +97,29 @@ def cudnn_forward(q, k, v, scale: float):
 def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float):
     """(dq, dk, dv) of cudnn_forward's call, in the calls backward_slices gives.
 
-    A row split over calls of its heads gets its dK / dV as the sum of the calls' in fp32, one
-    rounding more per call than one call would make (cuDNN returns each in q's dtype); its dQ
-    heads are the calls' own."""
+    A row split over calls of its heads (one kv head) gets its dK / dV as the sum of the calls' in
+    fp32, one rounding more per call than one call would make (cuDNN returns each in q's dtype);
+    its dQ heads are the calls' own."""
     N, H, L, Dk = q.shape
-    Hk, Dv = k.shape[1], v.shape[-1]
-    rows, heads = backward_slices(N, H, Hk, L, Dk, Dv)
+    rows, heads = backward_slices(N, H, k.shape[1], L, Dk, v.shape[-1])
 
-    def call(r, hs, ks):
+    def call(r, hs):
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do[r, hs], q[r, hs], k[r, ks], v[r, ks], o[r, hs], lse[r, hs], seed, offset, None, None, None, L, L,
-            0.0, True, scale=scale)
+            do[r, hs], q[r, hs], k[r], v[r], o[r, hs], lse[r, hs], seed, offset, None, None, None, L, L, 0.0, True,
+            scale=scale)
 
     every = slice(None)
     if rows >= N and heads >= H:
-        return call(every, every, every)
-    unit = H // Hk if Hk > 1 else 1
+        return call(every, every)
     grads = []
     for i in range(0, N, rows):
         r = slice(i, i + rows)
         if heads >= H:
-            grads.append(call(r, every, every))
+            grads.append(call(r, every))
             continue
-        parts = [call(r, slice(h, h + heads), slice(h // unit, (h + heads) // unit) if Hk > 1 else every)
-                 for h in range(0, H, heads)]
-        dq = torch.cat([p[0] for p in parts], 1)
-        if Hk > 1:  # each call had kv heads of its own
-            grads.append((dq, torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1)))
-        else:
-            dk, dv = (torch.stack([p[j] for p in parts]).float().sum(0).to(q.dtype) for j in (1, 2))
-            grads.append((dq, dk, dv))
+        parts = [call(r, slice(h, h + heads)) for h in range(0, H, heads)]
+        dk, dv = (torch.stack([p[j] for p in parts]).float().sum(0).to(q.dtype) for j in (1, 2))
+        grads.append((torch.cat([p[0] for p in parts], 1), dk, dv))
     return tuple(torch.cat(parts) for parts in zip(*grads))
 
 
