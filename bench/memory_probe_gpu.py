@@ -126,9 +126,8 @@ def peak_live(model: NSALM, tokens: torch.Tensor, loss_fn) -> dict:
     return peak_of(lambda: fwd_bwd(model, tokens, loss_fn))
 
 
-def peak_of(run, groups_kept: int = 60) -> dict:
-    """Alive allocations at the peak of run(), replayed from the allocator's trace, grouped by
-    the line that made them (source_of): base (MiB allocated before), peak over it, the groups."""
+def trace_of(run) -> tuple[int, list[dict]]:
+    """(bytes allocated before, the allocator's events during run()): its trace with Python stacks."""
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -139,10 +138,17 @@ def peak_of(run, groups_kept: int = 60) -> dict:
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+    return base, snap["device_traces"][torch.cuda.current_device()]
+
+
+def peak_of(run, groups_kept: int = 60) -> dict:
+    """Alive allocations at the peak of run(), replayed from the allocator's trace, grouped by
+    the line that made them (source_of): base (MiB allocated before), peak over it, the groups."""
+    base, events = trace_of(run)
     live: dict[int, dict] = {}
     total = peak = 0
     at_peak: list[dict] = []
-    for ev in snap["device_traces"][torch.cuda.current_device()]:
+    for ev in events:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]

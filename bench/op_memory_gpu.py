@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import header, json_saver
-from bench.memory_probe_gpu import peak_of, source_of
+from bench.memory_probe_gpu import peak_of, source_of, trace_of
 from nsa_flex.attention import nsa_attention
 from nsa_flex.bench.attention import attention_config
 from nsa_flex.bench.impls import Problem, nsa_inputs
@@ -74,17 +74,9 @@ def timeline(preset: str, T: int, big: int = 48 * MIB) -> dict:
 
     run()
     run()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    try:
-        run()
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+    base, events = trace_of(run)
     live, total, peak, peak_at, at_peak, seq = {}, 0, 0, 0, [], []
-    for ev in snap["device_traces"][torch.cuda.current_device()]:
+    for ev in events:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]
