@@ -230,7 +230,8 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, b
     o_cmp as FoldedRows (folded rows held from its first complete block on), o_win folded
     [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv]; with gates, where the window and selected branches
     and the gated sum run as one node, gated (a GatedSum) is its sum, differentiable, and o_sel
-    and o_win are the node's own (no gradient flows through them); else gated is None.
+    and o_win are the node's own (no gradient flows through them), o_cmp too where the compressed
+    branch is the grouped call (the node runs its backward); else gated is None.
 
     For NSAAttention, which makes the gated sum again in the backward instead of keeping it (see
     NSAAttention._attend_flex). Arguments as nsa_flex. o_sel stays unfolded because the block-centric
