@@ -30,12 +30,17 @@ from nsa_flex.bench.impls import Problem, nsa_inputs
 MIB = 2**20
 
 
-def measure(preset: str, T: int, impl: str) -> dict:
-    """The row of one (preset, T, impl): the peak of one fwd+bwd after two warm-up calls, and what is alive then."""
+def _case(preset: str, T: int):
+    """(the preset's NSAConfig, the attention bench's random bf16 inputs with gradients, an output gradient)."""
     bench_cfg = attention_config(device="cuda", preset=preset, impls=("nsa-flex",), dtype="bf16")
     cfg = bench_cfg.nsa
     x = nsa_inputs(Problem(bench_cfg, T), grad=True)
-    do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
+    return cfg, x, torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
+
+
+def measure(preset: str, T: int, impl: str) -> dict:
+    """The row of one (preset, T, impl): the peak of one fwd+bwd after two warm-up calls, and what is alive then."""
+    cfg, x, do = _case(preset, T)
 
     def forward():
         if impl == "nsa":
@@ -62,10 +67,7 @@ def measure(preset: str, T: int, impl: str) -> dict:
 
 def timeline(preset: str, T: int, big: int = 48 * MIB) -> dict:
     """The op's allocation timeline of one fwd+bwd after two warm-up calls (see the module docstring)."""
-    bench_cfg = attention_config(device="cuda", preset=preset, impls=("nsa-flex",), dtype="bf16")
-    cfg = bench_cfg.nsa
-    x = nsa_inputs(Problem(bench_cfg, T), grad=True)
-    do = torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
+    cfg, x, do = _case(preset, T)
     leaves = [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def run():

@@ -290,3 +290,17 @@ def test_backward_deltas_cmp_apart_equals_one_launch():
     apart = backward_deltas(do, x["cmp_rows"], head, o_sel, o_win, x["gates"], cmp_apart=True)
     for a, b in zip(apart, one):
         assert torch.equal(a, b)
+
+
+def test_grouped_call_must_match_cmp_rows():
+    """A grouped call whose queries do not cover cmp_rows' rows (here another call's) is refused,
+    naming both shapes."""
+    from nsa_flex.flex import compressed_groups
+
+    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
+    rows, _, grouped = compressed_groups.compressed_grouped_detached(x["q_room"][:, :, :400], x["k_cmp"], x["v_cmp"],
+                                                                     cfg, 0.2, False, q_room=x["q_room"])
+    short = grouped._replace(q=grouped.q[:, :, :-1])
+    with pytest.raises(ValueError, match=r"grouped queries \(1, 64, 4, 32\) do not match cmp_rows"):
+        gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
+                       grouped=short)

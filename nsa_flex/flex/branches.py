@@ -204,8 +204,8 @@ def _compressed_and_selection(q, qs: _Queries, k_cmp, v_cmp, config: NSAConfig, 
     a gradient of its own and grouped (compressed_groups.Grouped) is what the node's backward takes
     (ops.gated_branches); else grouped is None."""
     grouped = None
-    impl = compressed_impl(qs.fold, k_cmp, v_cmp, tiles, qs.docs) if k_cmp.shape[1] > 0 else "flex"
-    if node and impl != "flex":
+    impl = compressed_impl(qs.fold, k_cmp, v_cmp, tiles, qs.docs) if node and k_cmp.shape[1] > 0 else "flex"
+    if impl != "flex":
         o_cmp, lse_cmp, grouped = compressed_groups.compressed_grouped_detached(
             qs.fold, k_cmp, v_cmp, config, qs.scale, impl == "cudnn", q_room=qs.room)
     else:

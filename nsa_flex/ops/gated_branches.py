@@ -219,16 +219,15 @@ def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl, *cmp = inputs
-    # The grouped call's fields, None / False where not given.
-    q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset, cmp_cudnn = (*cmp, *[None] * 6, False)[:7]
+    # inputs hold every argument, the defaults of those not given (None / False) included.
+    (q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl, q_cmp, k_cmp, v_cmp,
+     lse_cmp, cmp_seed, cmp_offset, cmp_cudnn) = inputs
     _, o_sel, lse_sel, o_win, lse_win, *index = output
     ctx.mark_non_differentiable(o_sel, lse_sel, o_win, lse_win, *index)
     ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, q_cmp, k_cmp, v_cmp,
                           lse_cmp, cmp_seed, cmp_offset, *index)
     ctx.args = (cmp_head, group, window, sel_block, scale, impl)
     ctx.cmp_cudnn = cmp_cudnn
-    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
@@ -238,11 +237,9 @@ def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
     dq, dk, dv, d_cmp, d_gates, dq_cmp, dk_cmp, dv_cmp = torch.ops.nsa_flex.gated_branches_backward(
         do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index, *rest, *cmp,
         ctx.cmp_cudnn)
-    grads = [dq, dk, dv, None, d_cmp, None, d_gates, None, None, None, None, None]
-    if cmp[0] is not None:
-        grads[4] = None
-        grads += [dq_cmp, dk_cmp, dv_cmp, None, None, None, None]
-    return tuple(grads[:ctx.n_inputs] + [None] * (ctx.n_inputs - len(grads)))
+    if cmp[0] is None:  # no grouped call: cmp_rows takes its gradient
+        return dq, dk, dv, None, d_cmp, None, d_gates, *[None] * 12
+    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, dq_cmp, dk_cmp, dv_cmp, *[None] * 4
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
