@@ -284,7 +284,7 @@ class NSAAttention(nn.Module):
 
         def output(cmp_rows, o_sel, o_win, gates):
             o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, gates,
-                               impl=gated.impl if gated is not None else "auto")
+                               impl=gated.impl if gated is not None else "auto", sel_folded=gated is not None)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv))
 
         if gated is None:

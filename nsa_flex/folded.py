@@ -26,6 +26,14 @@ def unfold(x_bhrd: torch.Tensor, T: int) -> torch.Tensor:
     return x_bhrd.reshape(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hkv * G, D)
 
 
+def group_strides(x: torch.Tensor, G: int, folded: bool) -> tuple[int, int, int, int]:
+    """(batch, token, kv head, group member) strides of x [B, T, Hq, D], or with folded x [B, Hkv, R, D]:
+    the element of query head h*G + g at token t lies at b*s0 + t*s1 + h*s2 + g*s3 either way."""
+    if folded:
+        return x.stride(0), G * x.stride(2), x.stride(1), x.stride(2)
+    return x.stride(0), x.stride(1), G * x.stride(2), x.stride(2)
+
+
 class FoldedRows(NamedTuple):
     """Folded rows [B, Hkv, R, D] held from row `head` on: x[:, :, i] is folded row head + i.
 

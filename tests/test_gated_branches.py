@@ -106,6 +106,29 @@ def test_kernels_interpreted(G, Hkv, T, D, LB, W, signed):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)
 
 
+def test_return_branches_gives_o_sel_folded():
+    """With return_branches the node's o_sel is folded [B, Hkv, T*G, Dv]: the selected op's own output
+    folded; gated_sum reads it with sel_folded=True and makes the node's sum again."""
+    _check_o_sel_folded("torch")
+
+
+@interpreter
+def test_kernels_interpreted_give_o_sel_folded():
+    """As above with the kernels, which write o_sel over the window's local partial."""
+    _check_o_sel_folded("triton")
+
+
+def _check_o_sel_folded(impl):
+    cfg, x, bi, head, _ = make_case(1, 150, 2, 4, 64, 32, 64, 6)
+    o, o_sel, o_win = gated_branches(x["q"], x["k"], x["v"], bi, cfg, x["cmp_rows"], head, x["gates"], impl=impl,
+                                     return_branches=True)
+    want = fold(selected_attention(x["q"], x["k"], x["v"], bi, cfg, folded=True, impl="torch"), 2)
+    assert o_sel.shape == o_win.shape == (1, 2, 150 * 4, 64)
+    torch.testing.assert_close(o_sel, want, atol=2e-5, rtol=2e-5)
+    again = gated_sum(x["cmp_rows"], head, o_sel, o_win, x["gates"], impl="torch", sel_folded=True)
+    torch.testing.assert_close(again, o, atol=2e-5, rtol=2e-5)
+
+
 @gpu
 @pytest.mark.parametrize("signed", [False, True], ids=["gates-0-1", "signed-gates"])
 def test_kernels_gpu_against_fp64_twin(signed):

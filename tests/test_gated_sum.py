@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from interpreter import interpreter_mark
-from nsa_flex.folded import FoldedRows, unfold
+from nsa_flex.folded import FoldedRows, fold, unfold
 from nsa_flex.ops.gated_sum import gated_sum, kernels
 
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
@@ -116,6 +116,44 @@ def test_compiled_fullgraph_cuda():
         assert (grads[name].float() - ref.float()).abs().max() <= 1.6e-2 * ref.float().abs().max().clamp_min(1), name
 
 
+def _check_folded_sel(x, impl, exact):
+    """gated_sum with o_sel folded (sel_folded=True) against the same sum with o_sel unfolded: the
+    same output, and o_sel's gradient the folded one's."""
+    Hkv = x["o_win"].shape[1]
+    do = torch.randn(x["gates"].shape[:3] + x["o_sel"].shape[-1:], dtype=torch.float64).to(x["o_sel"].dtype)
+    o, grads = _grads(lambda **a: gated_sum(**a, impl=impl), x, do)
+    folded = {**x, "o_sel": fold(x["o_sel"], Hkv).contiguous()}
+    o_f, grads_f = _grads(lambda **a: gated_sum(**a, impl=impl, sel_folded=True), folded, do)
+    grads["o_sel"] = fold(grads["o_sel"], Hkv)
+    close = torch.equal if exact else (lambda a, b: (a - b).abs().max() <= 8 * torch.finfo(a.dtype).eps * b.abs().max())
+    assert o_f.shape == o.shape and close(o_f, o)
+    for name, ref in grads.items():
+        assert grads_f[name].shape == ref.shape and close(grads_f[name], ref), name
+
+
+@pytest.mark.parametrize("B,T,Hkv,G,Dv,head,extra", SHAPES)
+def test_twin_folded_sel_equals_unfolded(B, T, Hkv, G, Dv, head, extra):
+    _check_folded_sel(make_inputs(B, T, Hkv, G, Dv, head, extra, torch.float64, seed=6), "torch", exact=False)
+
+
+@interpreter
+@pytest.mark.parametrize("B,T,Hkv,G,Dv,head,extra", SHAPES)
+def test_kernels_interpreted_folded_sel_equal_unfolded(B, T, Hkv, G, Dv, head, extra):
+    """The kernels read o_sel by (batch, token, kv head, group member) strides: either layout, the
+    same fp32 sums, bit for bit."""
+    _check_folded_sel(make_inputs(B, T, Hkv, G, Dv, head, extra, torch.float32, seed=7), "triton", exact=True)
+
+
+@interpreter
+def test_kernels_interpreted_catch_a_folded_sel_read_unfolded():
+    """The comparison can fail: a folded o_sel read as if unfolded (its storage viewed [B, T, Hq, Dv])
+    gives another sum."""
+    x = make_inputs(1, 37, 2, 4, 24, 31 * 4, 20, torch.float32, seed=8)
+    folded = fold(x["o_sel"], 2).contiguous()
+    wrong = gated_sum(**{**x, "o_sel": folded.view(x["o_sel"].shape)}, impl="triton")
+    assert (wrong - gated_sum(**x, impl="triton")).abs().max() > 1e-3
+
+
 def test_folded_rows_dense():
     x = torch.arange(2 * 6 * 3, dtype=torch.float32).view(1, 2, 6, 3)
     d = FoldedRows(x, 2).dense(7)
@@ -131,6 +169,9 @@ def test_opcheck_cpu():
     args = tuple(x[n] for n in ("cmp_rows", "head", "o_sel", "o_win", "gates"))
     torch.library.opcheck(torch.ops.nsa_flex.gated_sum.default,
                           (args[0].requires_grad_(), args[1], *(a.requires_grad_() for a in args[2:]), "torch"))
+    folded = fold(x["o_sel"], 2).contiguous().requires_grad_()
+    torch.library.opcheck(torch.ops.nsa_flex.gated_sum.default,
+                          (args[0], args[1], folded, args[3], args[4], "torch", True))
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -143,7 +184,11 @@ def test_opcheck_cpu():
     (dict(gates=torch.rand(1, 37, 8, 2)), ValueError, "gates .* must be"),
     (dict(o_win=torch.randn(1, 2, 148, 24).half()), TypeError, "dtypes"),
     (dict(impl="cuda"), ValueError, "allowed"),
-], ids=["sel-dims", "win-rows", "cmp-heads", "head-past", "head-negative", "too-few-rows", "gates", "dtype", "impl"])
+    (dict(o_sel=torch.randn(1, 2, 148, 24)), ValueError, "folded o_sel .* needs sel_folded=True"),
+    (dict(sel_folded=True), ValueError, "with sel_folded must be folded as o_win"),
+    (dict(sel_folded=1), TypeError, "sel_folded=1"),
+], ids=["sel-dims", "win-rows", "cmp-heads", "head-past", "head-negative", "too-few-rows", "gates", "dtype", "impl",
+        "folded-sel-without-flag", "unfolded-sel-with-flag", "flag-type"])
 def test_bad_inputs(change, error, message):
     x = make_inputs(1, 37, 2, 4, 24, 31 * 4, 20, torch.float32)
     with pytest.raises(error, match=message):

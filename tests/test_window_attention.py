@@ -411,6 +411,36 @@ def test_selected_op_merges_the_local_partial_interpreted(gated, G):
     torch.testing.assert_close(o, o0, atol=2e-6, rtol=2e-6)
 
 
+@interpreter
+@pytest.mark.parametrize("G", [4, 3], ids=["G4", "G3"])
+def test_selected_op_writes_over_the_local_partial_interpreted(G):
+    """forward(into_local=True) writes o folded over the local partial's own buffer, each row
+    merged where the partial's row lay: bit for bit the unfolded o (and the same lse) of the merge
+    into a buffer of its own, across token ranges; and it needs that partial."""
+    from nsa_flex.folded import fold
+    from nsa_flex.ops.selected_attention import launch
+    from test_selected_attention import random_selection
+
+    LB, W, T = 32, 64, 250
+    q, k, v, _ = make_inputs(1, T, 2, G, 64, 64, torch.float32, seed=9)
+    scale = 64 ** -0.5
+    _, _, o_loc, lse_loc = window_op.forward(q, k, v, G, W, scale, _local_cfg(64, 16), LB)
+    own = (torch.arange(T) // LB).view(1, 1, T)
+    past = random_selection(1, 2, T, 4, LB, seed=9)[..., 1]
+    bi = torch.stack([torch.zeros_like(past), (own - 1).clamp_min(0).expand_as(past), own.expand_as(past), past],
+                     -1).int()
+    tiles = {"range_tokens": 96}
+    o0, lse0 = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, local=(o_loc, lse_loc))
+    buffer = o_loc.clone()
+    o, lse = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, local=(buffer, lse_loc),
+                            into_local=True)
+    assert o.data_ptr() == buffer.data_ptr() and o.shape == (1, 2, T * G, 64)
+    assert not torch.equal(o, o_loc)  # the partial was overwritten, not left beside o
+    assert torch.equal(o, fold(o0, 2)) and torch.equal(lse, lse0)
+    with pytest.raises(ValueError, match="into_local needs the window op's local partial"):
+        launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, into_local=True)
+
+
 def test_selected_op_refuses_a_local_partial_that_does_not_fit():
     from nsa_flex import NSAConfig
 

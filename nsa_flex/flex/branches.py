@@ -230,13 +230,14 @@ def nsa_flex_branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, b
     o_cmp as FoldedRows (folded rows held from its first complete block on), o_win folded
     [B, Hkv, T*G, Dv], o_sel [B, T, Hq, Dv]; with gates, where the window and selected branches
     and the gated sum run as one node, gated (a GatedSum) is its sum, differentiable, and o_sel
-    and o_win are the node's own (no gradient flows through them), o_cmp too where the compressed
+    (folded there, as o_win: gated_sum(..., sel_folded=True) reads it) and o_win are the node's
+    own (no gradient flows through them), o_cmp too where the compressed
     branch is the grouped call (the node runs its backward); else gated is None.
 
     For NSAAttention, which makes the gated sum again in the backward instead of keeping it (see
-    NSAAttention._attend_flex). Arguments as nsa_flex. o_sel stays unfolded because the block-centric
-    op keeps its output for its own backward: a folded copy, kept for the gated sum's backward,
-    would be a second [T, Hq, Dv] per layer.
+    NSAAttention._attend_flex). Arguments as nsa_flex. Each o_sel is the one its op keeps for its own
+    backward: a copy in another layout, kept for the gated sum's backward, would be a second
+    [T, Hq, Dv] per layer.
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     return _branches(q, k, v, k_cmp, v_cmp, config, gates=gates, block_indices=block_indices, cu_seqlens=cu_seqlens,
@@ -306,11 +307,12 @@ def _forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:
     return tiles.local_partial and block_indices is None and config.n_local == 2
 
 
-def gated_sum(o_cmp: FoldedRows, o_sel, o_win, gates, impl: str = "auto") -> torch.Tensor:
+def gated_sum(o_cmp: FoldedRows, o_sel, o_win, gates, impl: str = "auto", sel_folded: bool = False) -> torch.Tensor:
     """g_cmp*o_cmp + g_sel*o_sel + g_win*o_win in fp32 as [B,T,Hq,Dv] in o_sel's dtype, from the
     branches' layouts as nsa_flex_branches gives them (the op nsa_flex::gated_sum: with impl
-    "auto" Triton on CUDA, its torch twin elsewhere; a GatedSum's impl makes its sum again)."""
-    return gated_sum_op(o_cmp.x, o_cmp.head, o_sel, o_win, gates, impl=impl)
+    "auto" Triton on CUDA, its torch twin elsewhere; a GatedSum's impl makes its sum again).
+    sel_folded: o_sel folded [B, Hkv, T*G, Dv], as the gated node gives it."""
+    return gated_sum_op(o_cmp.x, o_cmp.head, o_sel, o_win, gates, impl=impl, sel_folded=sel_folded)
 
 
 def chunk_heads(x_bhrd: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ itself:
   itself, [T, Hq, 3] in 16 bits, the gates cost the kernels ~0.9 ms at g4, 64k: one gather per row.)
 - The window of W >= 2 l' holds each token's two local selection blocks whole. The forward's
   window kernel stores the softmax over them (ops.window.window_and_local) and the selected op
-  merges it in place of those slots; in the backward the window's kernels add the selected term
+  merges it in place of those slots, writing o_sel over that partial (folded, as o_win): no
+  second [T, Hq, Dv] buffer beside it, which at G=16, 64k was the op's peak (docs/decisions.md); in the backward the window's kernels add the selected term
   over those keys, sharing the scores and dP (both branches see dO), and the selected backward
   walks the other n - 2 slots, adding its sums into the window's gradients in place.
 
@@ -37,7 +38,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from nsa_flex.config import NSAConfig
-from nsa_flex.folded import fold
+from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.gated_sum import _forward_impl as gated_sum_forward
 from nsa_flex.ops.gated_sum import backward_deltas, check_branch_outputs
 from nsa_flex.ops import window as window_op
@@ -57,7 +58,8 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
                    return_branches: bool = False, grouped: "Grouped | None" = None):
     """o [B, T, Hq, Dv] in q's dtype; differentiable in q, k, v, cmp_rows and gates. With
     return_branches, (o, o_sel, o_win): the branch outputs the node keeps for its backward
-    (no gradient flows through them), in the layouts nsa_flex::gated_sum reads.
+    (no gradient flows through them), both folded [B, Hkv, T*G, Dv] (nsa_flex::gated_sum reads
+    o_sel so with sel_folded=True).
 
     q [B, Hkv, R >= T*G, Dk] folded (nsa_flex.folded, Hq = config.n_heads), read in place; k
     [B, T, Hkv, Dk], v [B, T, Hkv, Dv] (the window's keys too); block_indices [B, Hkv, T, n] listing
@@ -104,20 +106,22 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_ro
                   cmp_offset: Optional[Tensor] = None,
                   cmp_cudnn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                     Tensor, Tensor, Tensor]:
-    """(o, o_sel, lse_sel, o_win, lse_win, and the selected op's SavedIndex fields: its backward
-    reuses the index instead of building it again). q_cmp ... cmp_cudnn: the Grouped fields (None /
-    False without), read by the backward only."""
+    """(o, o_sel (folded), lse_sel, o_win, lse_win, and the selected op's SavedIndex fields: its
+    backward reuses the index instead of building it again). q_cmp ... cmp_cudnn: the Grouped
+    fields (None / False without), read by the backward only."""
     q_heads = group * k.shape[2]
     if not window_op._runs_kernels(q, k, v, impl):
         o_win, lse_win, _, _ = window_op.twin.forward(q, k, v, group, window, scale)
         o_sel, lse_sel = selected_twin.forward(_unfolded(q, k, q_heads), k, v, block_indices, None, scale, sel_block)
-        return (gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), o_sel, lse_sel, o_win, lse_win,
-                *_no_index(q))
+        return (gated_sum_twin.forward(cmp_rows, cmp_head, o_sel, o_win, gates), fold(o_sel, k.shape[2]), lse_sel,
+                o_win, lse_win, *_no_index(q))
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     o_win, lse_win, o_loc, lse_loc = window_op.forward(q, k, v, group, window, scale, cfg, sel_block)
+    # o_sel is written over the local partial o_loc (folded), row by row as the merge reads it.
     o_sel, lse_sel, index = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
-                                                    local=dense(o_loc, lse_loc), keep_index=True, unique=True)
-    o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton")
+                                                    local=dense(o_loc, lse_loc), keep_index=True, unique=True,
+                                                    into_local=True)
+    o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton", True)
     return o, o_sel, lse_sel, o_win, lse_win, *index
 
 
@@ -133,6 +137,7 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     q_heads = group * k.shape[2]
     do, = dense(do)  # once, for the three launches that read it
     if not window_op._runs_kernels(q, k, v, impl):
+        o_sel = unfold(o_sel, k.shape[1])
         d_cmp, d_sel, d_win, d_gates = gated_sum_twin.backward(do, cmp_rows, cmp_head, o_sel, o_win, gates)
         d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
                                                 cmp_cudnn, scale)
@@ -141,7 +146,7 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                                                None, scale, sel_block)
         return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
     d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(
-        do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=_cmp_apart(cmp_rows, q_cmp))
+        do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=_cmp_apart(cmp_rows, q_cmp), sel_folded=True)
     d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
                                             cmp_cudnn, scale)
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
@@ -200,7 +205,7 @@ def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, wind
         index = [q.new_empty(shape, dtype=torch.int32) for shape in shapes]
     else:
         index = _no_index(q)
-    return (q.new_empty(B, T, Hq, Dv), q.new_empty(B, T, Hq, Dv), q.new_empty(B, Hq, T, dtype=torch.float32),
+    return (q.new_empty(B, T, Hq, Dv), q.new_empty(B, Hkv, T * group, Dv), q.new_empty(B, Hq, T, dtype=torch.float32),
             q.new_empty(B, Hkv, T * group, Dv), q.new_empty(B, Hkv, T * group, dtype=torch.float32), *index)
 
 

@@ -3,8 +3,8 @@
 A program takes ROWS folded rows r = t * G + g of one (batch, kv head h): token t, query head
 h * G + g. It reads the branches where they lie: the compressed output as folded rows held from
 row HEAD on (the grouped cuDNN call's own output, rows before HEAD are zero), the selected
-output unfolded [B, T, Hq, Dv], the window output folded [B, Hkv, T * G, Dv], and the gates
-[B, T, Hq, 3]. So no branch is copied into the other layout first: each byte is read once and
+output unfolded [B, T, Hq, Dv] or folded (through its batch, token, kv head and group-member
+strides), the window output folded [B, Hkv, T * G, Dv], and the gates [B, T, Hq, 3]. So no branch is copied into the other layout first: each byte is read once and
 each output written once.
 
 Forward: o = g_cmp o_cmp + g_sel o_sel + g_win o_win in fp32. Backward: each branch's output
@@ -23,22 +23,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _rows(T, Hkv, G, ROWS: tl.constexpr):
-        """(b, h, folded rows r [ROWS], token t, query head hq) of this program."""
+        """(b, h, folded rows r [ROWS], token t, query head hq, group member g) of this program."""
         bh = tl.program_id(1)
         b = (bh // Hkv).to(tl.int64)
-        h = bh % Hkv
+        h = (bh % Hkv).to(tl.int64)
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         t = r // G
-        return b, h, r, t, h * G + r % G
+        g = r % G
+        return b, h, r, t, h * G + g, g
 
     @triton.jit
     def _sum_kernel(
         cmp_ptr, sel_ptr, win_ptr, gate_ptr, out_ptr, T, Hkv, G, HEAD, RC,
-        sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h, so_b, so_t, so_h,
+        sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, ss_g, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h, so_b, so_t, so_h,
         ROWS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ):
         """o [B, T, Hq, D] of ROWS folded rows."""
-        b, h, r, t, hq = _rows(T, Hkv, G, ROWS)
+        b, h, r, t, hq, g = _rows(T, Hkv, G, ROWS)
         d = tl.arange(0, DP)
         ok = r < T * G
         c = r - HEAD
@@ -50,7 +51,7 @@ if HAS_TRITON:
         g2 = tl.load(gate + 2, mask=ok, other=0.0).to(tl.float32)
         x_cmp = tl.load(cmp_ptr + b * sc_b + h * sc_h + c[:, None] * sc_r + d[None, :],
                         mask=c_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-        x_sel = tl.load(sel_ptr + b * ss_b + t[:, None] * ss_t + hq[:, None] * ss_h + d[None, :], mask=m,
+        x_sel = tl.load(sel_ptr + b * ss_b + h * ss_h + (t * ss_t + g * ss_g)[:, None] + d[None, :], mask=m,
                         other=0.0).to(tl.float32)
         x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=m,
                         other=0.0).to(tl.float32)
@@ -61,7 +62,7 @@ if HAS_TRITON:
     @triton.jit
     def _sum_bwd_kernel(
         do_ptr, cmp_ptr, sel_ptr, win_ptr, gate_ptr, dcmp_ptr, dsel_ptr, dwin_ptr, dgate_ptr, T, Hkv, G, HEAD, RC,
-        sdo_b, sdo_t, sdo_h, sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h,
+        sdo_b, sdo_t, sdo_h, sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, ss_g, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h,
         sdg_b, sdg_t, sdg_h,
         ROWS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ):
@@ -69,7 +70,7 @@ if HAS_TRITON:
 
         The grid also covers the compressed buffer's rows past the sequence (HEAD + RC > T G):
         those get zeros. Gradient tensors share their inputs' strides."""
-        b, h, r, t, hq = _rows(T, Hkv, G, ROWS)
+        b, h, r, t, hq, g = _rows(T, Hkv, G, ROWS)
         d = tl.arange(0, DP)
         d_ok = d[None, :] < D
         ok = r < T * G
@@ -83,7 +84,7 @@ if HAS_TRITON:
         do = tl.load(do_ptr + b * sdo_b + t[:, None] * sdo_t + hq[:, None] * sdo_h + d[None, :], mask=m,
                      other=0.0).to(tl.float32)
         at_cmp = b * sc_b + h * sc_h + c[:, None] * sc_r + d[None, :]
-        at_sel = b * ss_b + t[:, None] * ss_t + hq[:, None] * ss_h + d[None, :]
+        at_sel = b * ss_b + h * ss_h + (t * ss_t + g * ss_g)[:, None] + d[None, :]
         at_win = b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :]
         x_cmp = tl.load(cmp_ptr + at_cmp, mask=(ok & c_ok)[:, None] & d_ok, other=0.0).to(tl.float32)
         x_sel = tl.load(sel_ptr + at_sel, mask=m, other=0.0).to(tl.float32)
@@ -102,7 +103,7 @@ if HAS_TRITON:
     def _sum_deltas_kernel(
         do_ptr, cmp_ptr, sel_ptr, win_ptr, gate_ptr, dcmp_ptr, dgate_ptr, delta_sel_ptr, delta_win_ptr, gate_sel_ptr,
         gate_win_ptr, T, Hkv, G,
-        HEAD, RC, sdo_b, sdo_t, sdo_h, sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h,
+        HEAD, RC, sdo_b, sdo_t, sdo_h, sc_b, sc_h, sc_r, ss_b, ss_t, ss_h, ss_g, sw_b, sw_h, sw_r, sg_b, sg_t, sg_h,
         sdg_b, sdg_t, sdg_h,
         ROWS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, STATS: tl.constexpr = True,
         CMP_GRAD: tl.constexpr = True,
@@ -120,7 +121,7 @@ if HAS_TRITON:
         Its reads repeat _sum_bwd_kernel's: with them in a shared helper (the offsets its stores
         use coming back from a call that took the input pointers), Inductor's analysis counted
         every input of both kernels as written (tests/test_kernel_writes.py)."""
-        b, h, r, t, hq = _rows(T, Hkv, G, ROWS)
+        b, h, r, t, hq, g = _rows(T, Hkv, G, ROWS)
         d = tl.arange(0, DP)
         d_ok = d[None, :] < D
         ok = r < T * G
@@ -140,7 +141,7 @@ if HAS_TRITON:
                      mask=c_ok[:, None] & d_ok)
         if STATS:
             x_cmp = tl.load(cmp_ptr + at_cmp, mask=(ok & c_ok)[:, None] & d_ok, other=0.0).to(tl.float32)
-            x_sel = tl.load(sel_ptr + b * ss_b + t[:, None] * ss_t + hq[:, None] * ss_h + d[None, :], mask=m,
+            x_sel = tl.load(sel_ptr + b * ss_b + h * ss_h + (t * ss_t + g * ss_g)[:, None] + d[None, :], mask=m,
                             other=0.0).to(tl.float32)
             x_win = tl.load(win_ptr + b * sw_b + h * sw_h + r[:, None] * sw_r + d[None, :], mask=m,
                             other=0.0).to(tl.float32)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from nsa_flex.folded import group_strides
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import gluon_kernels, kernels, merge_kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, num_virtual_blocks, \
@@ -161,14 +162,6 @@ def query_heads(q: Tensor, q_heads: int) -> int:
     return q_heads or q.shape[2]
 
 
-def _q_strides(q: Tensor, G: int, folded: bool) -> tuple[int, int, int, int]:
-    """(batch, token, kv head, group member) strides of q or dq: [B, T, Hq, D], or folded [B, Hkv, R, D]
-    (row t * G + g of kv head h is query head h * G + g at token t, nsa_flex.folded)."""
-    if folded:
-        return q.stride(0), G * q.stride(2), q.stride(1), q.stride(2)
-    return q.stride(0), q.stride(1), G * q.stride(2), q.stride(2)
-
-
 def _launch(cfg: dict, pass_: str) -> dict:
     """Triton launch options of the forward ("fwd") or backward ("bwd") kernel; maxnreg 0: no cap."""
     return {"num_warps": cfg[f"{pass_}_warps"], "num_stages": cfg[f"{pass_}_stages"],
@@ -263,7 +256,7 @@ def _unpack(saved: SavedIndex, i: int, t0: int, t1: int) -> SelectionIndex:
 
 
 def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None, q_heads: int = 0,
-            local=None, keep_index: bool = False, unique: bool = False):
+            local=None, keep_index: bool = False, unique: bool = False, into_local: bool = False):
     """(o [B,T,Hq,Dv] in q's dtype, lse [B,Hq,T] fp32 natural log) on the Triton path; with
     keep_index also the ranges' SavedIndex, which backward(index=) takes instead of
     building the index again.
@@ -271,16 +264,24 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     q [B, T, Hq, Dk], or with q_heads > 0 folded [B, Hkv, R >= T * G, Dk] (Hq = q_heads). local:
     None, or (o_loc, lse_loc) from the window op (ops.window.window_and_local): the partial over
     each token's two local blocks, merged in place of the slots that list them. unique: no token
-    lists a block twice (the selection op's own output; build_index then skips its repeat check)."""
+    lists a block twice (the selection op's own output; build_index then skips its repeat check).
+    into_local (with local): o is written over o_loc, folded [B, Hkv, T*G, Dv] as the window op
+    gave it, each row merged where it lies: no second [T, Hq, Dv] beside the partial."""
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     G = Hq // Hkv
-    o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    if into_local:
+        if local is None or local[0].shape != (B, Hkv, T * G, v.shape[-1]) or not local[0].is_contiguous():
+            raise ValueError("forward: into_local needs the window op's local partial, o_loc [B, Hkv, T*G, Dv] "
+                             "contiguous")
+        o = local[0]
+    else:
+        o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     indices = []
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
                                                local is not None, unique):
-        _slot_sum(po, plse, index, o, _q_strides(o, G, False), lse, t0, local=local)
+        _slot_sum(po, plse, index, o, group_strides(o, G, into_local), lse, t0, local=local, local_in_out=into_local)
         indices.append(index)
     if not keep_index:
         return o, lse
@@ -360,7 +361,7 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
         if items.blk.shape[0] > 0:
             launch(kernel, (items.blk.shape[0],),
                    q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
-                   index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *_q_strides(q, G, q_heads > 0),
+                   index.blk_end, Hkv, index.blk_start.shape[0], t0, scale, *group_strides(q, G, q_heads > 0),
                    *k.stride()[:3], *v.stride()[:3], *po.stride()[:4], *plse.stride()[:3], writes=(po, plse),
                    **consts, **how)
         yield po, plse, index, t0
@@ -438,7 +439,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             launch(kernel, (W,),
                    q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, range_index.entries,
                    items.blk, items.start, items.end, range_index.blk_start, range_index.blk_end, items.n_items,
-                   dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *_q_strides(q, G, folded),
+                   dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *group_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
                    *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
                    writes=(dqp, dkp, dvp, dk, dv) + ((dk_sum, dv_sum) if sums else ()),
@@ -451,7 +452,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
-        _slot_sum(dqp, None, range_index, dq, _q_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
+        _slot_sum(dqp, None, range_index, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
     tail = q.shape[2] % G if folded else 0
     if tail and acc is None:
         # A folded q's last rows past its last whole token (R not a multiple of G): no token of
@@ -522,11 +523,12 @@ def _tracing(x: Tensor) -> bool:
 
 
 def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0, local=None,
-              acc: bool = False) -> None:
+              acc: bool = False, local_in_out: bool = False) -> None:
     """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
     given; with the local partial when given, as forward takes it) or summed (dQ, plse None);
-    out_strides as _q_strides gives them. pad: that many tokens after the range get zeros (rows
-    of a folded dQ past the sequence). acc (sum only): add to what out holds."""
+    out_strides as nsa_flex.folded.group_strides gives them. pad: that many tokens after the range get zeros (rows
+    of a folded dQ past the sequence). acc (sum only): add to what out holds. local_in_out: out is
+    the local partial's own buffer (forward(into_local=True)), read there row by row."""
     B, T, Hq, n, D = part.shape
     if B * (T + pad) * Hq == 0:
         return
@@ -542,10 +544,14 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
     sl = lse_.stride()[:3] if merge else (0, 0, 0)
     GP, DP = next_pow2(G), max(16, next_pow2(D))
     loc, loc_lse, loc_strides = _local_args(local, index)
+    if local_in_out:
+        # out holds the partial: loc is never read, and the lse rows (alive anyway) stand in for it,
+        # so that no launch takes the one buffer twice.
+        loc = loc_lse
     wrap_triton(merge_kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
         part, plse_, gid, out, lse_, loc, loc_lse, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
         *out_strides, *sl, *loc_strides, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
-        LOCAL=local is not None, ACC=acc, num_warps=_slot_warps(GP, DP))
+        LOCAL=local is not None, ACC=acc, LOCAL_IN_OUT=local_in_out, num_warps=_slot_warps(GP, DP))
 
 
 def _slot_warps(GP: int, DP: int) -> int:

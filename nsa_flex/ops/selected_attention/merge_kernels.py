@@ -23,6 +23,7 @@ if HAS_TRITON:
         so_b, so_t, so_kv, so_g, sl_b, sl_h, sl_t, sx_b, sx_h, sx_r, sxl_b, sxl_h,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, MERGE: tl.constexpr, LOCAL: tl.constexpr, ACC: tl.constexpr = False,
+        LOCAL_IN_OUT: tl.constexpr = False,
     ):
         """One (b, t, kv head h) of the range: for each of its G query heads, the n slots' partials
         [n, D] -> out [D] in out's dtype at token T0 + t (part, plse, gid: [B, T', ...] of the
@@ -34,7 +35,9 @@ if HAS_TRITON:
         MERGE: softmax-weighted by the partial lse (base 2); also writes the global lse (natural
         log, -inf when no slot saw a key). LOCAL: one more partial, the window op's over the
         token's two local blocks (loc [B, Hkv, R, D] folded, loc_lse [B, Hkv, R] base 2, rows at
-        absolute tokens; the index left those slots out). Else a plain sum (dQ). Slots that read nothing
+        absolute tokens; the index left those slots out). LOCAL_IN_OUT: out is that partial's own
+        buffer (folded): each program reads its rows there before it writes them (loc unread). Else a
+        plain sum (dQ). Slots that read nothing
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
         t >= T (rows of a folded buffer past the sequence) get zeros. ACC (sum only): out holds
         another gradient of these rows already, which the sum adds to.
@@ -42,10 +45,13 @@ if HAS_TRITON:
         b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
             gid_ptr, TG, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
         live = t < T
+        out_at = out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :]
         if MERGE:
             plse_row = plse_ptr + b * spl_b + t * spl_t + hq * spl_h
             loc_rows, loc_lse = _local_rows(loc_ptr, loc_lse_ptr, b, h, T0 + t, g, d, sx_b, sx_h, sx_r, sxl_b,
                                             sxl_h, G)
+            if LOCAL_IN_OUT:
+                loc_rows = out_at
             out, lse = _merged(part_ptr, plse_row, gid_row, rows, row_ok, g_ok, live, sp_n, loc_rows, loc_lse,
                                N, NP, GP, DP, LOCAL)
             tl.store(lse_ptr + b * sl_b + hq * sl_h + (T0 + t) * sl_t, lse, mask=g_ok)
@@ -54,7 +60,6 @@ if HAS_TRITON:
             for slot in tl.static_range(N):
                 ok = tl.load(gid_row + slot, mask=live, other=-1) >= 0
                 out += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
-        out_at = out_ptr + b * so_b + (T0 + t) * so_t + h * so_kv + g[:, None] * so_g + d[None, :]
         if ACC:
             out += tl.load(out_at, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_ok)
