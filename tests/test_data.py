@@ -65,6 +65,25 @@ def test_sharding_is_deterministic_and_disjoint():
     assert torch.equal(resumed.next()[0], whole.next()[0])
 
 
+def test_prefetch_changes_neither_the_batches_nor_the_position():
+    """prefetch() samples the next micro-batch early: the same batches in the same order, the
+    position (what checkpoints save) moved only by next(); a resume drops a batch sampled ahead."""
+    task = SyntheticTask(task="kv", seq_len=32)
+    plain, ahead = ShardedBatches(task, batch_size=2, rank=1, world_size=2), \
+        ShardedBatches(task, batch_size=2, rank=1, world_size=2)
+    for _ in range(3):
+        ahead.prefetch()
+        ahead.prefetch()  # twice: still one batch ahead, not two
+        assert ahead.position == plain.position
+        assert all(torch.equal(a, b) for a, b in zip(ahead.next(), plain.next()))
+    ahead.prefetch()
+    state = ahead.state_dict()
+    assert state["position"] == 12
+    ahead.load_state_dict({**state, "position": 4})  # back to an earlier checkpoint
+    rewound = ShardedBatches(task, batch_size=2, rank=1, world_size=2, position=4)
+    assert all(torch.equal(a, b) for a, b in zip(ahead.next(), rewound.next()))
+
+
 TEXT = " ".join(str(i) for i in range(60))
 
 

@@ -160,6 +160,57 @@ def test_nonfinite_loss_skips_the_step(tmp_path):
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+class _NanGrad(torch.autograd.Function):
+    """The loss unchanged, its gradient NaN: a finite loss with a non-finite gradient norm."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def test_fused_optimizer_skips_on_the_device_as_on_the_host(tmp_path, monkeypatch):
+    """With a fused optimizer the update is queued before the step's host sync and skipped on the
+    device where the loss or the gradient norm is not finite: the same losses, skips, parameters
+    and optimizer state, bit for bit, as the host deciding after the sync."""
+    from nsa_flex.training import train as train_module
+
+    def fused(model, **kw):
+        optimizer = build(model, **kw)
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        return optimizer
+
+    def poison(step, loss):
+        return _NanGrad.apply(loss) if step == 2 else loss * float("nan") if step == 4 else loss
+
+    build, queued = train_module.build_optimizer, []
+    monkeypatch.setattr(train_module, "build_optimizer", fused)
+    step_unless = train_module._step_unless
+    monkeypatch.setattr(train_module, "_step_unless", lambda *a: (queued.append(1), step_unless(*a)))
+    runs = {}
+    for name, device_skip in (("device", True), ("host", False)):
+        monkeypatch.setattr(train_module, "_fused", lambda optimizer, on=device_skip: on)
+        queued.clear()
+        result = train(tiny(tmp_path, name, steps=5, model={"attention": "dense"}),
+                       hooks=TrainHooks(loss_transform=poison))
+        runs[name] = (result, [r["skipped"] for r in read_metrics(tmp_path / name)],
+                      ckpt.load(ckpt.checkpoint_path(tmp_path / name, 5)), len(queued))
+    (dev, dev_skips, dev_state, dev_queued), (host, host_skips, host_state, host_queued) = runs["device"], runs["host"]
+    assert dev_queued == 5 and host_queued == 0
+    assert dev_skips == host_skips == [False, True, False, True, False]
+    assert math.isfinite(dev.losses[1]) and math.isnan(dev.losses[3])
+    assert [x for x in dev.losses if math.isfinite(x)] == [x for x in host.losses if math.isfinite(x)]
+    for name, t in dev_state["model"].items():
+        assert torch.equal(t, host_state["model"][name]), name
+    for pid, st in dev_state["optimizer"]["state"].items():
+        for key, t in st.items():
+            assert torch.equal(t, host_state["optimizer"]["state"][pid][key]), (pid, key)
+
+
 def test_nonfinite_losses_in_a_row_abort(tmp_path):
     def poison(step, loss):
         return loss * float("inf") if step >= 2 else loss

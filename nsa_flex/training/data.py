@@ -192,27 +192,44 @@ class ShardedBatches:
 
     Global micro-batch m holds samples [p, p + W*B) with p the position before it; rank r
     gets [p + r*B, p + (r+1)*B). `position` advances by W*B per micro-batch on every rank.
+    prefetch() samples the next micro-batch early (the training loop calls it while the GPU
+    runs the step) without moving the position, so checkpoints and resumes are unchanged.
     """
 
     def __init__(self, source: TokenSource, *, batch_size: int, rank: int = 0, world_size: int = 1,
-                 position: int = 0):
+                 position: int = 0, pin_memory: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.source, self.batch_size, self.rank, self.world_size = source, batch_size, rank, world_size
         self.position = position
+        self.pin_memory = pin_memory
+        """Batches in pinned memory: their copies to the GPU (non_blocking) run asynchronously."""
+        self._ahead: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs [B, T], targets [B, T]) int64 on the CPU."""
-        first = self.position + self.rank * self.batch_size
-        pairs = [self.source.sample(first + b) for b in range(self.batch_size)]
+        ahead, self._ahead = self._ahead, None
+        batch = ahead[1] if ahead is not None and ahead[0] == self.position else self._sample(self.position)
         self.position += self.world_size * self.batch_size
-        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        return batch
+
+    def prefetch(self) -> None:
+        """Sample the micro-batch next() returns now, leaving the position where it is."""
+        if self._ahead is None or self._ahead[0] != self.position:
+            self._ahead = (self.position, self._sample(self.position))
+
+    def _sample(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = position + self.rank * self.batch_size
+        pairs = [self.source.sample(first + b) for b in range(self.batch_size)]
+        batch = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        return tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
 
     def state_dict(self) -> dict:
         return {"position": self.position, "source": self.source.describe()}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+        self._ahead = None
 
 
 def _numpy():

@@ -119,7 +119,7 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
         # 3. Build the model where it runs, and the data (checked against its vocabulary).
         torch.manual_seed(config.seed)
         model = NSALM(run.model, device=run.device)
-        batches = _open_batches(config, world, model.config.vocab_size)
+        batches = _open_batches(config, world, model.config.vocab_size, pin_memory=run.device.type == "cuda")
         # 4. float8, activation checkpointing, compile each block, then DDP / FSDP2.
         if config.float8:
             par.apply_float8(model)
@@ -212,7 +212,12 @@ def _timed_step(state: _State, run: RunPlan, config: TrainConfig, world: par.Wor
 
 def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, hooks: TrainHooks,
           step: int) -> tuple[float, float, bool]:
-    """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm, skipped)."""
+    """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm, skipped).
+
+    The host waits for the GPU once, for the step's loss and finiteness. Before that it has
+    queued the optimizer's update (with a fused optimizer and no GradScaler: skipped on the GPU
+    where the loss or norm is not finite) and sampled the next micro-batch, so the GPU does not
+    sit idle between steps while the host does either (docs/decisions.md, "Training steps as CUDA graphs")."""
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=run.device)
@@ -227,21 +232,44 @@ def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, ho
                 loss = hooks.loss_transform(step, loss)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += loss.detach().float()
+        if micro < config.grad_accum - 1:
+            state.batches.prefetch()
     if scaler is not None:
         scaler.unscale_(optimizer)
     norm = par.grad_norm(model, config.grad_clip)
-    # The step's one host sync: the mean loss over ranks and how many ranks saw a finite loss.
-    stats = par.all_reduce_sum(torch.stack([loss_sum, torch.isfinite(loss_sum).float()]), world).tolist()
-    loss, finite_ranks, norm = stats[0] / world.world_size, stats[1], float(norm)
+    stats = par.all_reduce_sum(torch.stack([loss_sum, torch.isfinite(loss_sum).float()]), world)
     # With a GradScaler, non-finite gradients are its business (it skips and lowers the scale).
+    queued = scaler is None and _fused(optimizer)
+    if queued:
+        _step_unless(optimizer, (stats[1] < world.world_size) | ~torch.isfinite(norm))
+    state.batches.prefetch()
+    # The step's one host sync: the mean loss over ranks and how many ranks saw a finite loss.
+    stats = stats.tolist()
+    loss, finite_ranks, norm = stats[0] / world.world_size, stats[1], float(norm)
     skipped = finite_ranks < world.world_size or (scaler is None and not math.isfinite(norm))
     if scaler is not None:
         if not skipped:
             scaler.step(optimizer)
         scaler.update()
-    elif not skipped:
+    elif not skipped and not queued:
         optimizer.step()
     return loss, norm, skipped
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group runs the fused kernel, which takes a found_inf tensor (skip the update)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step() with its update skipped on the device where `skip` (a 0-d bool tensor) is
+    true: the fused kernel reads it as GradScaler's found_inf (parameters, moments and step count
+    left as they were), so no host sync comes first."""
+    optimizer.found_inf = skip.to(torch.float32).reshape(())
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def _check_nonfinite(state: _State, limit: int) -> None:
@@ -265,8 +293,10 @@ def prepare_out_dir(out_dir: str) -> Path:
     return path
 
 
-def _open_batches(config: TrainConfig, world: par.World, vocab_size: int) -> ShardedBatches:
-    """The data source (text is tokenised by rank 0 while the others wait), checked against the model."""
+def _open_batches(config: TrainConfig, world: par.World, vocab_size: int,
+                  pin_memory: bool = False) -> ShardedBatches:
+    """The data source (text is tokenised by rank 0 while the others wait), checked against the model;
+    pin_memory: batches in pinned memory (their copies to a GPU overlap its work)."""
     kwargs = dict(seq_len=config.T, seed=config.seed, tokenizer=config.tokenizer,
                   cache_dir=Path(config.out_dir) / "data",
                   text_key=config.text_key)
@@ -278,7 +308,8 @@ def _open_batches(config: TrainConfig, world: par.World, vocab_size: int) -> Sha
     if source.vocab_size > vocab_size:
         raise ConfigError(f"the data needs {source.vocab_size} token ids ({source.describe()}) but the model has "
                           f"vocab_size={vocab_size}; raise model.vocab_size (--vocab-size)")
-    return ShardedBatches(source, batch_size=config.batch_size, rank=world.rank, world_size=world.world_size)
+    return ShardedBatches(source, batch_size=config.batch_size, rank=world.rank, world_size=world.world_size,
+                          pin_memory=pin_memory)
 
 
 def _resume(config: TrainConfig, state: _State, report) -> None:
