@@ -243,9 +243,9 @@ def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, ho
     if queued:
         _step_unless(optimizer, (stats[1] < world.world_size) | ~torch.isfinite(norm))
     state.batches.prefetch()
-    # The step's one host sync: the mean loss over ranks and how many ranks saw a finite loss.
-    stats = stats.tolist()
-    loss, finite_ranks, norm = stats[0] / world.world_size, stats[1], float(norm)
+    # The step's one host sync: the mean loss over ranks, how many ranks saw a finite loss, the norm.
+    loss, finite_ranks, norm = torch.cat([stats, norm.detach().float().reshape(1).to(stats.device)]).tolist()
+    loss /= world.world_size
     skipped = finite_ranks < world.world_size or (scaler is None and not math.isfinite(norm))
     if scaler is not None:
         if not skipped:
