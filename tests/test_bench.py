@@ -360,3 +360,22 @@ def test_op_ab_variants_parse_and_refuse_unknown_keys():
         parse_variant("x=window.BLOCK:64")
     with pytest.raises(ValueError, match=r"expected MODULE.KEY:INT with MODULE one of selected, select, window"):
         parse_variant("x=flex.BLOCK:64")
+
+
+def test_step_gaps_merge_kernel_intervals():
+    """bench.train_step_gaps_gpu.gaps_of: overlapping kernels count once as busy, the idle gaps lie
+    between the merged intervals, and a gap lists the host ops that ran in it."""
+    from bench.train_step_gaps_gpu import gaps_of
+
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("a", 0, 10), kernel("b", 5, 10), kernel("c", 18, 2, "gpu_memcpy"), kernel("d", 1019, 30),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::randperm", "ts": 100, "dur": 400},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::tiny", "ts": 200, "dur": 10}]
+    row = gaps_of(events)
+    assert row["kernels"] == 4 and row["busy_ms"] * 1e3 == pytest.approx(15 + 2 + 30)
+    assert row["span_ms"] * 1e3 == pytest.approx(1049) and row["idle_ms"] * 1e3 == pytest.approx(1049 - 47)
+    assert row["gaps"]["0-5us"]["count"] == 1 and row["gaps"]["1000-infus"]["count"] == 0
+    assert row["gaps"]["100-1000us"] == {"count": 1, "ms": pytest.approx(0.999)}
+    assert row["largest"][0] == {"gap_us": 999, "before": "c", "after": "d", "host_ops": ["aten::randperm"]}

@@ -1,0 +1,94 @@
+"""Where a training step leaves the GPU idle, on a GPU.
+
+    python -m bench.train_step_gaps_gpu --out runs/bench/step_gaps.json --attentions nsa dense -T 65536 -B 1
+
+For each attention, seeds-125m trains as `nsa-flex bench model` runs it (compiled blocks as CUDA
+graphs, synthetic kv data) for 7 steps; steps 4 and 5 run under torch.profiler. The kernels' (and
+copies') intervals are merged: busy time, idle time between the first and last kernel, the idle
+gaps by size, and the largest gaps with the kernels on either side and the host ops that ran
+during each (what the GPU waited for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import header, json_saver
+from nsa_flex.bench.model import train_settings
+from nsa_flex.training.config import build_config
+from nsa_flex.training.train import TrainHooks, train
+
+FIRST = 4
+"""The first profiled step (two are profiled: a step boundary lies between them)."""
+GAP_BINS_US = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
+
+
+def gaps_of(events: list[dict]) -> dict:
+    """Busy and idle ms of the GPU over a chrome trace's events, the gaps by size, the largest 25."""
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    busy, end, last, gaps = 0.0, None, None, []
+    for e in kernels:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if end is not None and start > end:
+            gaps.append((start - end, last["name"], e["name"], start))
+        if end is None or stop > end:
+            busy += stop - max(start, end if end is not None else start)
+            end, last = stop, e
+    span = end - kernels[0]["ts"] if kernels else 0.0
+    bins = {f"{lo}-{hi}us": {"count": sum(lo <= g[0] < hi for g in gaps),
+                             "ms": sum(g[0] for g in gaps if lo <= g[0] < hi) / 1e3} for lo, hi in GAP_BINS_US}
+    largest = []
+    for gap, before, after, at in sorted(gaps, key=lambda g: -g[0])[:25]:
+        ops = [e["name"][:60] for e in host if at - gap <= e["ts"] <= at and e["dur"] > 50]
+        largest.append({"gap_us": gap, "before": before[:90], "after": after[:90], "host_ops": ops[:12]})
+    return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "gaps": bins, "largest": largest}
+
+
+def profile_steps(attention: str, T: int, B: int) -> dict:
+    """One row: steps FIRST and FIRST + 1 of a fresh run under the profiler, and every step's ms."""
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+
+    def before_step(step: int) -> None:
+        if step in (FIRST, FIRST + 2):
+            torch.cuda.synchronize()
+            profiler.__enter__() if step == FIRST else profiler.__exit__(None, None, None)
+
+    work = Path(tempfile.mkdtemp())
+    config = build_config({}, train_settings("seeds-125m", attention, T, B, FIRST + 3, work))
+    result = train(config, hooks=TrainHooks(before_step=before_step))
+    trace = work / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    row = gaps_of(json.loads(trace.read_text())["traceEvents"])
+    return {"attention": attention, "T": T, "B": B, "step_ms": [s * 1e3 for s in result.step_times_s],
+            "profiled_steps": 2, **row}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--attentions", nargs="+", default=["nsa", "dense"], choices=["nsa", "dense"])
+    p.add_argument("-T", type=int, default=65536)
+    p.add_argument("-B", type=int, default=1)
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    record = {"header": {**header(args.commit), "what": __doc__.splitlines()[0]}, "rows": []}
+    save = json_saver(args.out, record)
+    for attention in args.attentions:
+        row = profile_steps(attention, args.T, args.B)
+        record["rows"].append(row)
+        save()
+        print(f"{attention} T={args.T} B={args.B}: idle {row['idle_ms'] / 2:.2f} ms a step "
+              f"(busy {row['busy_ms'] / 2:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
