@@ -372,6 +372,25 @@ def test_local_fits():
             window_op.window_and_local(q, k, v, 4, 512, bad)
 
 
+def _local_merge_case(G: int, seed: int):
+    """(q, k, v, o_loc, lse_loc, bi, scale, l', T, tiles) for the selected op's merge of the window op's
+    local partial: T=250, two kv heads, D=64, the window's partial over l'=32-token blocks, and a
+    selection as the selection op forces it (n_initial = 1, n_local = 2): block 0, the one before
+    the own and the own block in every row, then one random block of the past. Token ranges of 96
+    tokens: the partial is read at absolute tokens."""
+    from test_selected_attention import random_selection
+
+    LB, W, T = 32, 64, 250
+    q, k, v, _ = make_inputs(1, T, 2, G, 64, 64, torch.float32, seed=seed)
+    scale = 64 ** -0.5
+    _, _, o_loc, lse_loc = window_op.forward(q, k, v, G, W, scale, _local_cfg(64, 16), LB)
+    own = (torch.arange(T) // LB).view(1, 1, T)
+    past = random_selection(1, 2, T, 4, LB, seed=seed)[..., 1]
+    bi = torch.stack([torch.zeros_like(past), (own - 1).clamp_min(0).expand_as(past), own.expand_as(past), past],
+                     -1).int()
+    return q, k, v, o_loc, lse_loc, bi, scale, LB, T, {"range_tokens": 96}
+
+
 @interpreter
 @pytest.mark.parametrize("gated", [False, True], ids=["selected", "selected-gated-sum"])
 @pytest.mark.parametrize("G", [4, 3])
@@ -379,24 +398,9 @@ def test_selected_op_merges_the_local_partial_interpreted(gated, G):
     """The selected op's kernels with the window op's local partial (those slots skipped) equal
     the same kernels without it, forward; into the gated sum's epilogue too. The selection lists
     both local blocks of every token, as the selection op's does."""
-    from nsa_flex import NSAConfig
     from nsa_flex.ops.selected_attention import launch
-    from test_selected_attention import random_selection
 
-    LB, W, T = 32, 64, 250
-    cfg = NSAConfig(n_heads=2 * G, n_kv_heads=2, head_dim=64, head_dim_v=64, sel_block=LB, cmp_block=16,
-                    cmp_stride=16, n_selected=4)
-    q, k, v, _ = make_inputs(1, T, 2, G, 64, 64, torch.float32, seed=8)
-    scale = 64 ** -0.5
-    _, _, o_loc, lse_loc = window_op.forward(q, k, v, G, W, scale, _local_cfg(64, 16), LB)
-    # As the selection op forces them (n_initial = 1, n_local = 2): block 0, the one before the
-    # own and the own block in every row, then one random block of the past.
-    own = (torch.arange(T) // LB).view(1, 1, T)
-    past = random_selection(1, 2, T, 4, LB, seed=8)[..., 1]
-    bi = torch.stack([torch.zeros_like(past), (own - 1).clamp_min(0).expand_as(past), own.expand_as(past), past],
-                     -1).int()
-    # Token ranges of 96 tokens: the local partial is read at absolute tokens.
-    tiles = {"range_tokens": 96}
+    q, k, v, o_loc, lse_loc, bi, scale, LB, T, tiles = _local_merge_case(G, seed=8)
     if not gated:
         o, lse = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, local=(o_loc, lse_loc))
         o0, lse0 = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G)
@@ -419,17 +423,8 @@ def test_selected_op_writes_over_the_local_partial_interpreted(G):
     into a buffer of its own, across token ranges; and it needs that partial."""
     from nsa_flex.folded import fold
     from nsa_flex.ops.selected_attention import launch
-    from test_selected_attention import random_selection
 
-    LB, W, T = 32, 64, 250
-    q, k, v, _ = make_inputs(1, T, 2, G, 64, 64, torch.float32, seed=9)
-    scale = 64 ** -0.5
-    _, _, o_loc, lse_loc = window_op.forward(q, k, v, G, W, scale, _local_cfg(64, 16), LB)
-    own = (torch.arange(T) // LB).view(1, 1, T)
-    past = random_selection(1, 2, T, 4, LB, seed=9)[..., 1]
-    bi = torch.stack([torch.zeros_like(past), (own - 1).clamp_min(0).expand_as(past), own.expand_as(past), past],
-                     -1).int()
-    tiles = {"range_tokens": 96}
+    q, k, v, o_loc, lse_loc, bi, scale, LB, T, tiles = _local_merge_case(G, seed=9)
     o0, lse0 = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, local=(o_loc, lse_loc))
     buffer = o_loc.clone()
     o, lse = launch.forward(q, k, v, bi, None, scale, LB, tiles, q_heads=2 * G, local=(buffer, lse_loc),
