@@ -30,8 +30,8 @@ GAP_BINS_US = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
 
 def gaps_of(events: list[dict]) -> dict:
     """Busy and idle ms of the GPU over a chrome trace's events, the gaps by size, the largest 25."""
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
+    device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
     busy, end, last, gaps = 0.0, None, None, []
     for e in kernels:

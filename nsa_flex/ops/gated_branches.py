@@ -14,9 +14,10 @@ itself:
 - The window of W >= 2 l' holds each token's two local selection blocks whole. The forward's
   window kernel stores the softmax over them (ops.window.window_and_local) and the selected op
   merges it in place of those slots, writing o_sel over that partial (folded, as o_win): no
-  second [T, Hq, Dv] buffer beside it, which at G=16, 64k was the op's peak (docs/decisions.md); in the backward the window's kernels add the selected term
-  over those keys, sharing the scores and dP (both branches see dO), and the selected backward
-  walks the other n - 2 slots, adding its sums into the window's gradients in place.
+  second [T, Hq, Dv] buffer beside it, which at G=16, 64k was the op's peak (docs/decisions.md).
+  In the backward the window's kernels add the selected term over those keys, sharing the scores
+  and dP (both branches see dO), and the selected backward walks the other n - 2 slots, adding
+  its sums into the window's gradients in place.
 
 Where the compressed branch is the grouped call (flex.compressed_groups), the node also runs that
 call's backward (given `grouped`, the call made without a gradient of its own): right after the

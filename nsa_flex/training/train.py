@@ -215,9 +215,10 @@ def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, ho
     """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm, skipped).
 
     The host waits for the GPU once, for the step's loss and finiteness. Before that it has
-    queued the optimizer's update (with a fused optimizer and no GradScaler: skipped on the GPU
-    where the loss or norm is not finite) and sampled the next micro-batch, so the GPU does not
-    sit idle between steps while the host does either (docs/decisions.md, "Training steps as CUDA graphs")."""
+    sampled the next micro-batch and, with a fused optimizer, no GradScaler and no FSDP (whose
+    DTensor parameters were not checked with it), queued the optimizer's update, skipped on the
+    GPU where the loss or norm is not finite: the GPU does not sit idle between steps while the
+    host does either (docs/decisions.md, "Training steps as CUDA graphs")."""
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=run.device)
@@ -239,7 +240,7 @@ def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, ho
     norm = par.grad_norm(model, config.grad_clip)
     stats = par.all_reduce_sum(torch.stack([loss_sum, torch.isfinite(loss_sum).float()]), world)
     # With a GradScaler, non-finite gradients are its business (it skips and lowers the scale).
-    queued = scaler is None and _fused(optimizer)
+    queued = scaler is None and run.parallel != "fsdp" and _fused(optimizer)
     if queued:
         _step_unless(optimizer, (stats[1] < world.world_size) | ~torch.isfinite(norm))
     state.batches.prefetch()

@@ -113,8 +113,9 @@ def backward_deltas(do: Tensor, cmp_rows: Tensor, head: int, o_sel: Tensor, o_wi
             wrap_triton(kernels._sum_deltas_kernel)[_grid(rows, B * Hkv)](
                 do, cmp_rows, sel, win, gates, d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win, T, Hkv,
                 Hq // Hkv, head, cmp_rows.shape[2], *do.stride()[:3], *_bhr(cmp_rows),
-                *group_strides(o_sel, Hq // Hkv, sel_folded), *_bhr(o_win), *gates.stride()[:3], *d_gates.stride()[:3], ROWS=_ROWS, D=Dv,
-                DP=max(16, next_pow2(Dv)), STATS=stats, CMP_GRAD=cmp_grad, num_warps=4)
+                *group_strides(o_sel, Hq // Hkv, sel_folded), *_bhr(o_win), *gates.stride()[:3],
+                *d_gates.stride()[:3], ROWS=_ROWS, D=Dv, DP=max(16, next_pow2(Dv)), STATS=stats, CMP_GRAD=cmp_grad,
+                num_warps=4)
 
     if cmp_apart:
         # The first launch stores no d cmp_rows (d_gates stands in for the pointer); the second reads

@@ -4,8 +4,9 @@ A program takes ROWS folded rows r = t * G + g of one (batch, kv head h): token 
 h * G + g. It reads the branches where they lie: the compressed output as folded rows held from
 row HEAD on (the grouped cuDNN call's own output, rows before HEAD are zero), the selected
 output unfolded [B, T, Hq, Dv] or folded (through its batch, token, kv head and group-member
-strides), the window output folded [B, Hkv, T * G, Dv], and the gates [B, T, Hq, 3]. So no branch is copied into the other layout first: each byte is read once and
-each output written once.
+strides), the window output folded [B, Hkv, T * G, Dv], and the gates [B, T, Hq, 3]. So no
+branch is copied into the other layout first: each byte is read once and each output written
+once.
 
 Forward: o = g_cmp o_cmp + g_sel o_sel + g_win o_win in fp32. Backward: each branch's output
 gradient g_b dO (in the branch's layout and dtype) and the gates' gradients sum_d dO o_b, from

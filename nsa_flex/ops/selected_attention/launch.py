@@ -526,9 +526,10 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
               acc: bool = False, local_in_out: bool = False) -> None:
     """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
     given; with the local partial when given, as forward takes it) or summed (dQ, plse None);
-    out_strides as nsa_flex.folded.group_strides gives them. pad: that many tokens after the range get zeros (rows
-    of a folded dQ past the sequence). acc (sum only): add to what out holds. local_in_out: out is
-    the local partial's own buffer (forward(into_local=True)), read there row by row."""
+    out_strides as nsa_flex.folded.group_strides gives them. pad: that many tokens after the range
+    get zeros (rows of a folded dQ past the sequence). acc (sum only): add to what out holds.
+    local_in_out: out is the local partial's own buffer (forward(into_local=True)), read there row
+    by row."""
     B, T, Hq, n, D = part.shape
     if B * (T + pad) * Hq == 0:
         return

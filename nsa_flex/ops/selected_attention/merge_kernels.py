@@ -36,8 +36,8 @@ if HAS_TRITON:
         log, -inf when no slot saw a key). LOCAL: one more partial, the window op's over the
         token's two local blocks (loc [B, Hkv, R, D] folded, loc_lse [B, Hkv, R] base 2, rows at
         absolute tokens; the index left those slots out). LOCAL_IN_OUT: out is that partial's own
-        buffer (folded): each program reads its rows there before it writes them (loc unread). Else a
-        plain sum (dQ). Slots that read nothing
+        buffer (folded): each program reads its rows there before it writes them (loc unread).
+        Else a plain sum (dQ). Slots that read nothing
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
         t >= T (rows of a folded buffer past the sequence) get zeros. ACC (sum only): out holds
         another gradient of these rows already, which the sum adds to.
