@@ -327,3 +327,18 @@ def test_grouped_call_must_match_cmp_rows():
     with pytest.raises(ValueError, match=r"grouped queries \(1, 64, 4, 32\) do not match cmp_rows"):
         gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
                        grouped=short)
+
+
+@pytest.mark.parametrize("where", ["another-tensor", "other-rows"])
+def test_grouped_call_must_read_qs_own_rows(where):
+    """The node adds the grouped call's dQ into q's gradient at the rows the call read: queries that
+    are another tensor's rows (a copy of q), or q's rows from another start, are refused."""
+    from nsa_flex.flex import compressed_groups
+
+    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
+    room = x["q_room"].detach().clone() if where == "another-tensor" else x["q_room"]
+    rows, _, grouped = compressed_groups.compressed_grouped_detached(room[:, :, :400], x["k_cmp"], x["v_cmp"], cfg,
+                                                                     0.2, False, q_room=room)
+    head = rows.head if where == "another-tensor" else rows.head - 4
+    with pytest.raises(ValueError, match="grouped queries must be a view of q's folded rows from cmp_head on"):
+        gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, head, x["gates"], impl="torch", grouped=grouped)

@@ -9,7 +9,8 @@ that stored its results under a constexpr branch once did that to the gated sum'
 
 The analysis needs the kernels as JIT functions, not Triton's interpreter's, and a GPU target:
 so a subprocess without TRITON_INTERPRET runs the op's own launch functions (window, selected,
-gated sum, fold, selection, and the gated node's backward) on small CPU tensors, with Triton's
+gated sum, fold, selection, and the gated node's backward, the grouped call's dQ added into the
+node's included) on small CPU tensors, with Triton's
 driver answering for an sm_90 GPU, analyses each launch instead of running it and reports the op
 inputs it would count as written. No GPU and no kernel run is needed.
 """
@@ -63,6 +64,7 @@ sl = importlib.import_module("nsa_flex.ops.selected_attention.launch")
 gs = importlib.import_module("nsa_flex.ops.gated_sum")
 fo = importlib.import_module("nsa_flex.ops.fold")
 sk = importlib.import_module("nsa_flex.ops.select.kernels")
+gb = importlib.import_module("nsa_flex.ops.gated_branches")
 
 inputs = {}
 rows = []
@@ -88,7 +90,7 @@ class Record:
 
 
 record = Record()
-for mod in (win, sl, gs, fo):
+for mod in (win, sl, gs, fo, gb):
     mod.wrap_triton = record
 capped = lambda kernel, grid, *args, writes=(), **kwargs: analyse(kernel, args, kwargs)
 sl.launch = capped
@@ -130,6 +132,10 @@ grads = win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, g
 grads = tuple(torch.zeros_like(x) for x in (qf, k, v))
 sl.backward(do, qf, k, v, o_sel, lse_sel, sel, None, scale, L, q_heads=G * Hkv, gate=gate_sel, delta=delta_sel,
             skip_local=True, acc=grads)
+# The grouped compressed call's dQ into the node's (Tc = 31 groups of d*G = 64 rows from row (l-1)*G = 124).
+dq4 = torch.randn(B * Hkv, 16 * G, 31, D, dtype=bf)
+inputs["dq4"] = dq4
+gb._into_dq(torch.zeros(B, Hkv, 124 + 31 * 16 * G, D, dtype=bf), (dq4, dq4, dq4), dq4, 124, kernel=True)
 print(json.dumps({"rows": rows, "fell_back": fell_back}))
 '''
 
@@ -164,7 +170,9 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     seen = {r["kernel"] for r in analysis["rows"]}
     assert {"_fold_kernel", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_bwd_kernel", "_delta_kernel",
             "_slot_kernel", "_block_sum_kernel", "_slot_gated_kernel", "_sum_kernel", "_sum_bwd_kernel",
-            "_select_kernel", "_sum_deltas_kernel"} <= seen, seen
+            "_select_kernel", "_sum_deltas_kernel", "_add_grouped_kernel"} <= seen, seen
     # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else.
     dq = next(r for r in analysis["rows"] if r["kernel"] == "_dq_kernel")
     assert dq["writes"] == ["DELTA", "DQ"]
+    add = next(r for r in analysis["rows"] if r["kernel"] == "_add_grouped_kernel")
+    assert add["writes"] == ["dst_ptr"]
