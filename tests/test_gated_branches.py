@@ -329,7 +329,7 @@ def test_grouped_call_must_match_cmp_rows():
                        grouped=short)
 
 
-@pytest.mark.parametrize("where", ["another-tensor", "other-rows"])
+@pytest.mark.parametrize("where", ["another-tensor", "other-rows", "past-q"])
 def test_grouped_call_must_read_qs_own_rows(where):
     """The node adds the grouped call's dQ into q's gradient at the rows the call read: queries that
     are another tensor's rows (a copy of q), or q's rows from another start, are refused."""
@@ -339,6 +339,8 @@ def test_grouped_call_must_read_qs_own_rows(where):
     room = x["q_room"].detach().clone() if where == "another-tensor" else x["q_room"]
     rows, _, grouped = compressed_groups.compressed_grouped_detached(room[:, :, :400], x["k_cmp"], x["v_cmp"], cfg,
                                                                      0.2, False, q_room=room)
-    head = rows.head if where == "another-tensor" else rows.head - 4
+    head = rows.head - 4 if where == "other-rows" else rows.head
+    # q without the rows the call reads past T*G (its own room): those rows lie past q.
+    q = x["q_room"][:, :, :400] if where == "past-q" else x["q_room"]
     with pytest.raises(ValueError, match="grouped queries must be a view of q's folded rows from cmp_head on"):
-        gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, head, x["gates"], impl="torch", grouped=grouped)
+        gated_branches(q, x["k"], x["v"], bi, cfg, rows.x, head, x["gates"], impl="torch", grouped=grouped)

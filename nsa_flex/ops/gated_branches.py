@@ -114,8 +114,9 @@ def _check_grouped_view(q4: Tensor, q: Tensor, head: int) -> None:
     """The node adds the grouped call's dQ into q's at the rows the call read: its queries must be
     that view of q (compressed_grouped_detached with q_room = q), which is checked where it can be
     (not while torch.compile traces: no storage there)."""
-    want = _grouped_rows(q, q4, head)
-    same_rows = q4.stride() == want.stride() and q4.storage_offset() == want.storage_offset()
+    fits = 0 <= head and head + q4.shape[1] * q4.shape[2] <= q.shape[2]
+    want = _grouped_rows(q, q4, head) if fits else None
+    same_rows = fits and q4.stride() == want.stride() and q4.storage_offset() == want.storage_offset()
     if same_rows and not torch.compiler.is_compiling():
         same_rows = q4.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
     if not same_rows:
