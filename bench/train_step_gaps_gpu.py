@@ -6,7 +6,7 @@ For each attention, seeds-125m trains as `nsa-flex bench model` runs it (compile
 graphs, synthetic kv data) for 7 steps; steps 4 and 5 run under torch.profiler. The kernels' (and
 copies') intervals are merged: busy time, idle time between the first and last kernel, the idle
 gaps by size, and the largest gaps with the kernels on either side and the host ops that ran
-during each (what the GPU waited for).
+during each (what the GPU waited for), and the kernels' time summed by name.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ GAP_BINS_US = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
 
 
 def gaps_of(events: list[dict]) -> dict:
-    """Busy and idle ms of the GPU over a chrome trace's events, the gaps by size, the largest 25."""
+    """Busy and idle ms of the GPU over a chrome trace's events, the gaps by size, the largest 25,
+    and the 40 kernel names that took the most time (ms summed, launches)."""
     device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
@@ -48,8 +49,15 @@ def gaps_of(events: list[dict]) -> dict:
     for gap, before, after, at in sorted(gaps, key=lambda g: -g[0])[:25]:
         ops = [e["name"][:60] for e in host if at - gap <= e["ts"] <= at and e["dur"] > 50]
         largest.append({"gap_us": gap, "before": before[:90], "after": after[:90], "host_ops": ops[:12]})
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e["name"][:90], [0.0, 0])
+        entry[0] += e["dur"] / 1e3
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
     return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
-            "gaps": bins, "largest": largest}
+            "gaps": bins, "largest": largest,
+            "by_kernel": [{"name": name, "ms": ms, "launches": count} for name, (ms, count) in top]}
 
 
 def profile_steps(attention: str, T: int, B: int) -> dict:

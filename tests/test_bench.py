@@ -371,11 +371,15 @@ def test_step_gaps_merge_kernel_intervals():
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
     events = [kernel("a", 0, 10), kernel("b", 5, 10), kernel("c", 18, 2, "gpu_memcpy"), kernel("d", 1019, 30),
+              kernel("a", 1050, 40),
               {"ph": "X", "cat": "cpu_op", "name": "aten::randperm", "ts": 100, "dur": 400},
               {"ph": "X", "cat": "cpu_op", "name": "aten::tiny", "ts": 200, "dur": 10}]
     row = gaps_of(events)
-    assert row["kernels"] == 4 and row["busy_ms"] * 1e3 == pytest.approx(15 + 2 + 30)
-    assert row["span_ms"] * 1e3 == pytest.approx(1049) and row["idle_ms"] * 1e3 == pytest.approx(1049 - 47)
-    assert row["gaps"]["0-5us"]["count"] == 1 and row["gaps"]["1000-infus"]["count"] == 0
+    assert row["kernels"] == 5 and row["busy_ms"] * 1e3 == pytest.approx(15 + 2 + 30 + 40)
+    assert row["span_ms"] * 1e3 == pytest.approx(1090) and row["idle_ms"] * 1e3 == pytest.approx(1090 - 87)
+    assert row["gaps"]["0-5us"]["count"] == 2 and row["gaps"]["1000-infus"]["count"] == 0
     assert row["gaps"]["100-1000us"] == {"count": 1, "ms": pytest.approx(0.999)}
     assert row["largest"][0] == {"gap_us": 999, "before": "c", "after": "d", "host_ops": ["aten::randperm"]}
+    # Kernel time by name: both launches of "a" summed, the largest first.
+    assert row["by_kernel"][0] == {"name": "a", "ms": pytest.approx(0.05), "launches": 2}
+    assert [k["name"] for k in row["by_kernel"]] == ["a", "d", "b", "c"]

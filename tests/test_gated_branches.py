@@ -344,3 +344,21 @@ def test_grouped_call_must_read_qs_own_rows(where):
     q = x["q_room"][:, :, :400] if where == "past-q" else x["q_room"]
     with pytest.raises(ValueError, match="grouped queries must be a view of q's folded rows from cmp_head on"):
         gated_branches(q, x["k"], x["v"], bi, cfg, rows.x, head, x["gates"], impl="torch", grouped=grouped)
+
+
+def test_grouped_view_check_traces_in_one_graph():
+    """The grouped-view check runs inside the compiled module's attention: under torch.compile with
+    fullgraph it must trace (no storage offsets or pointers there) and pass q's own rows."""
+    from nsa_flex.flex import compressed_groups
+    from nsa_flex.ops.gated_branches import _check_grouped_view
+
+    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
+    rows, _, grouped = compressed_groups.compressed_grouped_detached(x["q_room"][:, :, :400], x["k_cmp"], x["v_cmp"],
+                                                                     cfg, 0.2, False, q_room=x["q_room"])
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def checked(q4, q):
+        _check_grouped_view(q4, q, rows.head)
+        return q4 * 2
+
+    assert torch.equal(checked(grouped.q, x["q_room"]), grouped.q * 2)
