@@ -64,7 +64,6 @@ sl = importlib.import_module("nsa_flex.ops.selected_attention.launch")
 gs = importlib.import_module("nsa_flex.ops.gated_sum")
 fo = importlib.import_module("nsa_flex.ops.fold")
 sk = importlib.import_module("nsa_flex.ops.select.kernels")
-gb = importlib.import_module("nsa_flex.ops.gated_branches")
 
 inputs = {}
 rows = []
@@ -78,7 +77,8 @@ def analyse(kernel, args, kwargs):
         kw["F32_DOT"] = False
     writes = {d.name for d in tkw.identify_accessed_tensors(kernel, kw, {}).read_writes.writes}
     bad = sorted(n for n in writes if any(kw[n] is x for x in inputs.values()))
-    rows.append({"kernel": kernel.fn.__name__, "writes": sorted(writes), "inputs_written": bad})
+    rows.append({"kernel": kernel.fn.__name__, "writes": sorted(writes), "inputs_written": bad,
+                 "extra": bool(kw.get("EXTRA", False))})
 
 
 class Record:
@@ -90,7 +90,7 @@ class Record:
 
 
 record = Record()
-for mod in (win, sl, gs, fo, gb):
+for mod in (win, sl, gs, fo):
     mod.wrap_triton = record
 capped = lambda kernel, grid, *args, writes=(), **kwargs: analyse(kernel, args, kwargs)
 sl.launch = capped
@@ -130,12 +130,12 @@ d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = gs.backward_deltas(do
 grads = win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, gate=gate_win, delta=delta_win,
                      sel=(lse_sel, delta_sel, gate_sel, L))
 grads = tuple(torch.zeros_like(x) for x in (qf, k, v))
-sl.backward(do, qf, k, v, o_sel, lse_sel, sel, None, scale, L, q_heads=G * Hkv, gate=gate_sel, delta=delta_sel,
-            skip_local=True, acc=grads)
-# The grouped compressed call's dQ into the node's (Tc = 31 groups of d*G = 64 rows from row (l-1)*G = 124).
-dq4 = torch.randn(B * Hkv, 16 * G, 31, D, dtype=bf)
+# With the grouped compressed call's dQ added in the dQ sums (Tc = 3 groups of d*G = 64 rows from
+# row (l-1)*G = 124).
+dq4 = torch.randn(B * Hkv, 16 * G, 3, D, dtype=bf)
 inputs["dq4"] = dq4
-gb._into_dq(torch.zeros(B, Hkv, 124 + 31 * 16 * G, D, dtype=bf), (dq4, dq4, dq4), dq4, 124, kernel=True)
+sl.backward(do, qf, k, v, o_sel, lse_sel, sel, None, scale, L, q_heads=G * Hkv, gate=gate_sel, delta=delta_sel,
+            skip_local=True, acc=grads, extra_dq=(dq4, 124))
 print(json.dumps({"rows": rows, "fell_back": fell_back}))
 '''
 
@@ -170,9 +170,12 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     seen = {r["kernel"] for r in analysis["rows"]}
     assert {"_fold_kernel", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_bwd_kernel", "_delta_kernel",
             "_slot_kernel", "_block_sum_kernel", "_slot_gated_kernel", "_sum_kernel", "_sum_bwd_kernel",
-            "_select_kernel", "_sum_deltas_kernel", "_add_grouped_kernel"} <= seen, seen
+            "_select_kernel", "_sum_deltas_kernel"} <= seen, seen
     # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else.
     dq = next(r for r in analysis["rows"] if r["kernel"] == "_dq_kernel")
     assert dq["writes"] == ["DELTA", "DQ"]
-    add = next(r for r in analysis["rows"] if r["kernel"] == "_add_grouped_kernel")
-    assert add["writes"] == ["dst_ptr"]
+    # The dQ sums with the grouped call's dQ added write what the plain dQ sums write, not it.
+    sums = [r for r in analysis["rows"] if r["kernel"] == "_slot_kernel" and "lse_ptr" not in r["writes"]]
+    plain = [r["writes"] for r in sums if not r["extra"]]
+    extra = [r["writes"] for r in sums if r["extra"]]
+    assert plain and extra and all(w == plain[0] and "extra_ptr" not in w for w in extra), sums

@@ -729,3 +729,42 @@ def test_kernels_interpreted_repeated_ids_count_once():
     assert bool((bi[..., 3] == bi[..., 0]).any())
     check(run_kernels(q, k, v, do, bi, cfg), q, k, v, do, bi, cfg)
     check(run_op(q, k, v, do, bi, cfg, "torch"), q, k, v, do, bi, cfg)
+
+
+@interpreter
+@pytest.mark.parametrize("R", [130, 50], ids=["one-range", "3-ranges"])
+def test_backward_adds_extra_dq_in_the_dq_sums(R, poisoned):
+    """backward(extra_dq=(dq4, head)) on a folded q: dQ equals the backward's without it plus dq4 at
+    the folded rows head + i*dG + j (compressed_groups.to_grouped's layout), in every token range;
+    dK / dV are unchanged, and rows past T*G (q's room) stay zero."""
+    cfg = make_config(2, 32, 24, 4, 16)
+    T, G, scale = 130, 2, 32 ** -0.5
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=R)
+    bi = random_selection(1, 2, T, 4, 16, seed=R)
+    tiles = dict(range_tokens=R, bwd_chunks=2)
+    qf = fold(q, cfg.n_kv_heads, rows=T * G + 7)
+    o, lse = launch.forward(qf, k, v, bi, None, scale, 16, tiles, cfg.n_heads)
+    head, dG, Tc = 5, 8, 32  # rows 5 .. 260 of 267: past T*G = 260 as well
+    dq4 = torch.randn(2, Tc, dG, 32, generator=torch.Generator().manual_seed(3)).transpose(1, 2)
+    got = launch.backward(do, qf, k, v, o, lse, bi, None, scale, 16, tiles, cfg.n_heads, extra_dq=(dq4, head))
+    want = launch.backward(do, qf, k, v, o, lse, bi, None, scale, 16, tiles, cfg.n_heads)
+    added = want[0].clone()
+    rows = added[:, :, head:head + Tc * dG].view(1, 2, Tc, dG, 32)
+    rows += dq4.reshape(1, 2, dG, Tc, 32).transpose(2, 3)
+    added[:, :, T * G:] = 0
+    assert (got[0] - added).abs().max() <= 1e-6 * added.abs().max()
+    assert torch.equal(got[0][:, :, T * G:], torch.zeros_like(got[0][:, :, T * G:]))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("bad", ["unfolded", "dtype", "past-q"])
+def test_backward_refuses_extra_dq_it_cannot_place(bad):
+    cfg = make_config(2, 32, 24, 4, 16)
+    T = 130
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32)
+    qf = q if bad == "unfolded" else fold(q, cfg.n_kv_heads, rows=T * 2)
+    dq4 = torch.zeros(2, 8, 32, 32, dtype=torch.float64 if bad == "dtype" else torch.float32)
+    head = 10 if bad == "past-q" else 0
+    with pytest.raises(ValueError, match=r"extra_dq must be \[B\*Hkv, dG, Tc, Dk\]"):
+        launch.backward(do, qf, k, v, do, torch.zeros(1, 4, T), random_selection(1, 2, T, 4, 16), None, 1.0, 16,
+                        None, 0 if bad == "unfolded" else cfg.n_heads, extra_dq=(dq4, head))

@@ -24,9 +24,8 @@ call's backward (given `grouped`, the call made without a gradient of its own): 
 gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV) come and go before the window
 and selected branches' exist. As separate nodes the compressed backward ran last, beside the
 others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md). The call's queries
-are a view of q's rows from cmp_head on, so its dQ is added into the window's dQ as soon as that
-exists, and is gone before the selected backward's buffers come (q's gradient carries it; the
-call's queries get none of their own).
+are a view of q's rows from cmp_head on, so its dQ joins q's: the selected backward's dQ sums add
+it in their pass (q's gradient carries it; the call's queries get none of their own).
 
 The node trusts its selection: every token's block_indices must list its own block and the one
 before, and no block twice (the selection op's own selection with n_local = 2). So it is not public: the flex path
@@ -46,16 +45,13 @@ from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.gated_sum import _forward_impl as gated_sum_forward
 from nsa_flex.ops.gated_sum import backward_deltas, check_branch_outputs
 from nsa_flex.ops import window as window_op
-from nsa_flex.ops.fold import kernels as fold_kernels
 from nsa_flex.ops.gated_sum import twin as gated_sum_twin
 from nsa_flex.ops.selected_attention import _check_inputs as check_selected
 from nsa_flex.ops.selected_attention import _unfolded
 from nsa_flex.ops.selected_attention import launch as selected_launch
 from nsa_flex.ops.selected_attention import twin as selected_twin
-from nsa_flex.ops.triton_utils import HAS_TRITON, dense, next_pow2, quiet_without_triton
+from nsa_flex.ops.triton_utils import dense, quiet_without_triton
 
-if HAS_TRITON:
-    from torch.library import wrap_triton
 if TYPE_CHECKING:
     from nsa_flex.flex.compressed_groups import Grouped
 
@@ -186,34 +182,24 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
                                sel=(lse_sel, delta_sel, gate_sel, sel_block))
-    # The call's dQ joins the window's before the selected backward's partials exist.
-    cmp_grads = _into_dq(grads[0], cmp_grads, q_cmp, cmp_head, kernel=True)
+    # The call's dQ joins the sum in the selected backward's dQ pass (no pass of its own).
+    extra_dq = None if q_cmp is None else (dense(cmp_grads[0])[0], cmp_head)
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
                                           q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
-                                          index=selected_launch.SavedIndex(*index))
+                                          index=selected_launch.SavedIndex(*index), extra_dq=extra_dq)
+    if q_cmp is not None:
+        cmp_grads = (cmp_grads[0].new_empty(0), *cmp_grads[1:])
     return dq, dk, dv, d_cmp, d_gates, *cmp_grads
 
 
-def _into_dq(dq: Tensor, cmp_grads: tuple[Tensor, Tensor, Tensor], q_cmp, head: int,
-             kernel: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def _into_dq(dq: Tensor, cmp_grads: tuple[Tensor, Tensor, Tensor], q_cmp, head: int) -> tuple[Tensor, Tensor, Tensor]:
     """(an empty tensor, dk4, dv4): with the grouped call (q_cmp given), its dq4 added in place into
-    dq [B, Hkv, R, Dk] at the rows its queries are a view of; without, cmp_grads as they are.
-    kernel: the add as a Triton launch (fold.kernels._add_grouped_kernel), which a compiled graph
-    keeps in place in dq like the selected backward's own adds into it; else in torch."""
+    dq [B, Hkv, R, Dk] at the rows its queries are a view of; without, cmp_grads as they are. (The
+    kernels' path adds it in the selected backward's dQ pass instead: launch.backward's extra_dq.)"""
     if q_cmp is None:
         return cmp_grads
     dq4, dk4, dv4 = cmp_grads
-    if not kernel:
-        _grouped_rows(dq, dq4, head).add_(dq4)
-        return dq4.new_empty(0), dk4, dv4
-    dq4, = dense(dq4)
-    B, Hkv, _, D = dq.shape
-    _, dG, Tc, _ = dq4.shape
-    rows = 64
-    if B * Hkv * Tc * dG > 0:
-        wrap_triton(fold_kernels._add_grouped_kernel)[(-(-Tc * dG // rows), B * Hkv)](
-            dq, dq4, head, Tc, dG, Hkv, *dq.stride()[:3], *dq4.stride()[:3], ROWS=rows, D=D, DP=max(16, next_pow2(D)),
-            num_warps=4)
+    _grouped_rows(dq, dq4, head).add_(dq4)
     return dq4.new_empty(0), dk4, dv4
 
 
