@@ -327,38 +327,3 @@ def test_grouped_call_must_match_cmp_rows():
     with pytest.raises(ValueError, match=r"grouped queries \(1, 64, 4, 32\) do not match cmp_rows"):
         gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
                        grouped=short)
-
-
-@pytest.mark.parametrize("where", ["another-tensor", "other-rows", "past-q"])
-def test_grouped_call_must_read_qs_own_rows(where):
-    """The node adds the grouped call's dQ into q's gradient at the rows the call read: queries that
-    are another tensor's rows (a copy of q), or q's rows from another start, are refused."""
-    from nsa_flex.flex import compressed_groups
-
-    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
-    room = x["q_room"].detach().clone() if where == "another-tensor" else x["q_room"]
-    rows, _, grouped = compressed_groups.compressed_grouped_detached(room[:, :, :400], x["k_cmp"], x["v_cmp"], cfg,
-                                                                     0.2, False, q_room=room)
-    head = rows.head - 4 if where == "other-rows" else rows.head
-    # q without the rows the call reads past T*G (its own room): those rows lie past q.
-    q = x["q_room"][:, :, :400] if where == "past-q" else x["q_room"]
-    with pytest.raises(ValueError, match="grouped queries must be a view of q's folded rows from cmp_head on"):
-        gated_branches(q, x["k"], x["v"], bi, cfg, rows.x, head, x["gates"], impl="torch", grouped=grouped)
-
-
-def test_grouped_view_check_traces_in_one_graph():
-    """The grouped-view check runs inside the compiled module's attention: under torch.compile with
-    fullgraph it must trace (no storage offsets or pointers there) and pass q's own rows."""
-    from nsa_flex.flex import compressed_groups
-    from nsa_flex.ops.gated_branches import _check_grouped_view
-
-    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
-    rows, _, grouped = compressed_groups.compressed_grouped_detached(x["q_room"][:, :, :400], x["k_cmp"], x["v_cmp"],
-                                                                     cfg, 0.2, False, q_room=x["q_room"])
-
-    @torch.compile(fullgraph=True, backend="eager")
-    def checked(q4, q):
-        _check_grouped_view(q4, q, rows.head)
-        return q4 * 2
-
-    assert torch.equal(checked(grouped.q, x["q_room"]), grouped.q * 2)

@@ -9,8 +9,7 @@ that stored its results under a constexpr branch once did that to the gated sum'
 
 The analysis needs the kernels as JIT functions, not Triton's interpreter's, and a GPU target:
 so a subprocess without TRITON_INTERPRET runs the op's own launch functions (window, selected,
-gated sum, fold, selection, and the gated node's backward, the grouped call's dQ added into the
-node's included) on small CPU tensors, with Triton's
+gated sum, fold, selection, and the gated node's backward) on small CPU tensors, with Triton's
 driver answering for an sm_90 GPU, analyses each launch instead of running it and reports the op
 inputs it would count as written. No GPU and no kernel run is needed.
 """
@@ -77,8 +76,7 @@ def analyse(kernel, args, kwargs):
         kw["F32_DOT"] = False
     writes = {d.name for d in tkw.identify_accessed_tensors(kernel, kw, {}).read_writes.writes}
     bad = sorted(n for n in writes if any(kw[n] is x for x in inputs.values()))
-    rows.append({"kernel": kernel.fn.__name__, "writes": sorted(writes), "inputs_written": bad,
-                 "extra": bool(kw.get("EXTRA", False))})
+    rows.append({"kernel": kernel.fn.__name__, "writes": sorted(writes), "inputs_written": bad})
 
 
 class Record:
@@ -130,12 +128,8 @@ d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = gs.backward_deltas(do
 grads = win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, gate=gate_win, delta=delta_win,
                      sel=(lse_sel, delta_sel, gate_sel, L))
 grads = tuple(torch.zeros_like(x) for x in (qf, k, v))
-# With the grouped compressed call's dQ added in the dQ sums (Tc = 3 groups of d*G = 64 rows from
-# row (l-1)*G = 124).
-dq4 = torch.randn(B * Hkv, 16 * G, 3, D, dtype=bf)
-inputs["dq4"] = dq4
 sl.backward(do, qf, k, v, o_sel, lse_sel, sel, None, scale, L, q_heads=G * Hkv, gate=gate_sel, delta=delta_sel,
-            skip_local=True, acc=grads, extra_dq=(dq4, 124))
+            skip_local=True, acc=grads)
 print(json.dumps({"rows": rows, "fell_back": fell_back}))
 '''
 
@@ -174,8 +168,3 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else.
     dq = next(r for r in analysis["rows"] if r["kernel"] == "_dq_kernel")
     assert dq["writes"] == ["DELTA", "DQ"]
-    # The dQ sums with the grouped call's dQ added write what the plain dQ sums write, not it.
-    sums = [r for r in analysis["rows"] if r["kernel"] == "_slot_kernel" and "lse_ptr" not in r["writes"]]
-    plain = [r["writes"] for r in sums if not r["extra"]]
-    extra = [r["writes"] for r in sums if r["extra"]]
-    assert plain and extra and all(w == plain[0] and "extra_ptr" not in w for w in extra), sums

@@ -21,11 +21,9 @@ itself:
 
 Where the compressed branch is the grouped call (flex.compressed_groups), the node also runs that
 call's backward (given `grouped`, the call made without a gradient of its own): right after the
-gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV) come and go before the window
-and selected branches' exist. As separate nodes the compressed backward ran last, beside the
-others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md). The call's queries
-are a view of q's rows from cmp_head on, so its dQ joins q's: the selected backward's dQ sums add
-it in their pass (q's gradient carries it; the call's queries get none of their own).
+gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV, its dQ) come and go before the
+window and selected branches' exist. As separate nodes the compressed backward ran last, beside
+the others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md).
 
 The node trusts its selection: every token's block_indices must list its own block and the one
 before, and no block twice (the selection op's own selection with n_local = 2). So it is not public: the flex path
@@ -91,35 +89,10 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
         if g.q.shape[:3] != (cmp_rows.shape[0] * cmp_rows.shape[1], cmp_rows.shape[2] // g.q.shape[2], g.q.shape[2]):
             raise ValueError(f"gated_branches: grouped queries {tuple(g.q.shape)} do not match cmp_rows "
                              f"{tuple(cmp_rows.shape)} ([B*Hkv, rows / Tc, Tc, Dk])")
-        _check_grouped_view(g.q, q, cmp_head)
         cmp = (g.q, g.k, g.v, g.lse, g.seed, g.offset, g.cudnn)
     o, o_sel, _, o_win, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G,
                                                                config.window, config.sel_block, scale, impl, *cmp)
     return (o, o_sel, o_win) if return_branches else o
-
-
-def _grouped_rows(q: Tensor, q4: Tensor, head: int) -> Tensor:
-    """q's folded rows head .. head + Tc*dG - 1 as the grouped call reads them ([B*Hkv, dG, Tc, Dk],
-    compressed_groups.to_grouped's layout; a view)."""
-    B, Hkv, _, D = q.shape
-    _, dG, Tc, _ = q4.shape
-    return q[:, :, head:head + Tc * dG].view(B, Hkv, Tc, dG, D).transpose(2, 3).reshape(B * Hkv, dG, Tc, D)
-
-
-def _check_grouped_view(q4: Tensor, q: Tensor, head: int) -> None:
-    """The node adds the grouped call's dQ into q's at the rows the call read: its queries must be
-    that view of q (compressed_grouped_detached with q_room = q), which is checked where it can be
-    (not while torch.compile traces: no storage there)."""
-    fits = 0 <= head and head + q4.shape[1] * q4.shape[2] <= q.shape[2]
-    want = _grouped_rows(q, q4, head) if fits else None
-    # Strides of size-1 dims say nothing (traced views may give them other values).
-    same_rows = fits and all(a == b for a, b, size in zip(q4.stride(), want.stride(), q4.shape) if size > 1)
-    if same_rows and not torch.compiler.is_compiling():  # Dynamo cannot trace offsets or storages
-        same_rows = (q4.storage_offset() == want.storage_offset()
-                     and q4.untyped_storage().data_ptr() == q.untyped_storage().data_ptr())
-    if not same_rows:
-        raise ValueError("gated_branches: grouped queries must be a view of q's folded rows from cmp_head on "
-                         "(compressed_groups.compressed_grouped_detached with q_room = q)")
 
 
 def _no_index(q: Tensor) -> list[Tensor]:
@@ -160,9 +133,8 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                    v_cmp: Optional[Tensor] = None, lse_cmp: Optional[Tensor] = None,
                    cmp_seed: Optional[Tensor] = None, cmp_offset: Optional[Tensor] = None,
                    cmp_cudnn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d cmp_rows, d gates, an empty tensor, and with q_cmp the grouped call's dk4, dv4;
-    d cmp_rows is then empty and the call's dq4 is in dq (q_cmp is a view of q's rows), and without
-    q_cmp those two are empty)."""
+    """(dq, dk, dv, d cmp_rows, d gates, and with q_cmp the grouped call's dq4, dk4, dv4; d cmp_rows
+    is then empty, and without q_cmp those three are)."""
     q_heads = group * k.shape[2]
     do, = dense(do)  # once, for the three launches that read it
     if not window_op._runs_kernels(q, k, v, impl):
@@ -173,8 +145,7 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
         dq, dk, dv = window_op.twin.backward(d_win, q, k, v, group, window, scale)
         dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
                                                None, scale, sel_block)
-        dq = dq + fold(dqs, k.shape[2], rows=q.shape[2])
-        return dq, dk + dks, dv + dvs, d_cmp, d_gates, *_into_dq(dq, cmp_grads, q_cmp, cmp_head)
+        return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
     d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(
         do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=_cmp_apart(cmp_rows, q_cmp), sel_folded=True)
     d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
@@ -182,25 +153,10 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
                                sel=(lse_sel, delta_sel, gate_sel, sel_block))
-    # The call's dQ joins the sum in the selected backward's dQ pass (no pass of its own).
-    extra_dq = None if q_cmp is None else (dense(cmp_grads[0])[0], cmp_head)
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
                                           q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
-                                          index=selected_launch.SavedIndex(*index), extra_dq=extra_dq)
-    if q_cmp is not None:
-        cmp_grads = (cmp_grads[0].new_empty(0), *cmp_grads[1:])
+                                          index=selected_launch.SavedIndex(*index))
     return dq, dk, dv, d_cmp, d_gates, *cmp_grads
-
-
-def _into_dq(dq: Tensor, cmp_grads: tuple[Tensor, Tensor, Tensor], q_cmp, head: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(an empty tensor, dk4, dv4): with the grouped call (q_cmp given), its dq4 added in place into
-    dq [B, Hkv, R, Dk] at the rows its queries are a view of; without, cmp_grads as they are. (The
-    kernels' path adds it in the selected backward's dQ pass instead: launch.backward's extra_dq.)"""
-    if q_cmp is None:
-        return cmp_grads
-    dq4, dk4, dv4 = cmp_grads
-    _grouped_rows(dq, dq4, head).add_(dq4)
-    return dq4.new_empty(0), dk4, dv4
 
 
 def _cmp_apart(cmp_rows: Tensor, q_cmp) -> bool:
@@ -263,7 +219,7 @@ def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel,
     if q_cmp is None:
         return (*grads, torch.empty_like(cmp_rows, memory_format=torch.contiguous_format), d_gates,
                 *(cmp_rows.new_empty(0) for _ in range(3)))
-    return (*grads, cmp_rows.new_empty(0), d_gates, q_cmp.new_empty(0),
+    return (*grads, cmp_rows.new_empty(0), d_gates, torch.empty_like(q_cmp, memory_format=torch.contiguous_format),
             torch.empty_like(k_cmp, memory_format=torch.contiguous_format),
             torch.empty_like(v_cmp, memory_format=torch.contiguous_format))
 
@@ -284,13 +240,12 @@ def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
     q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, *cmp_index = ctx.saved_tensors
     cmp, index = cmp_index[:6], cmp_index[6:]
     cmp_head, *rest = ctx.args
-    dq, dk, dv, d_cmp, d_gates, _, dk_cmp, dv_cmp = torch.ops.nsa_flex.gated_branches_backward(
+    dq, dk, dv, d_cmp, d_gates, dq_cmp, dk_cmp, dv_cmp = torch.ops.nsa_flex.gated_branches_backward(
         do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index, *rest, *cmp,
         ctx.cmp_cudnn)
     if cmp[0] is None:  # no grouped call: cmp_rows takes its gradient
         return dq, dk, dv, None, d_cmp, None, d_gates, *[None] * 12
-    # The grouped call's dQ is in dq: its queries (a view of q's rows) take none of their own.
-    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, None, dk_cmp, dv_cmp, *[None] * 4
+    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, dq_cmp, dk_cmp, dv_cmp, *[None] * 4
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)

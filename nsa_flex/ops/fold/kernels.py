@@ -1,5 +1,4 @@
-"""Triton kernel of the folded layout: nsa_flex::fold's, q [B, T, Hq, D] -> folded [B, Hkv, R, D] with
-zeros past T*G."""
+"""Triton kernel of nsa_flex::fold: q [B, T, Hq, D] -> folded [B, Hkv, R, D], zeros past T*G."""
 
 from __future__ import annotations
 

@@ -369,7 +369,7 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
 
 def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_block: int, tiles=None,
              q_heads: int = 0, *, gate=None, delta=None, skip_local: bool = False, acc=None,
-             index: SavedIndex | None = None, extra_dq=None):
+             index: SavedIndex | None = None):
     """(dq, dk, dv) in the inputs' dtypes on the Triton path, dq in q's layout (a folded q's rows past
     T * G get zeros); lse and q_heads as forward takes and returns them.
 
@@ -380,10 +380,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     (dq, dk, dv) holding another gradient of q, k, v in these layouts (contiguous); the sums are
     added to them in place and they are returned. index: the forward's SavedIndex of this
     selection (forward(keep_index=True) with the same inputs, tiles and skip_local): only the work
-    items are built. extra_dq (q folded): None, or (dq4 [B*Hkv, dG, Tc, Dk], head), one more
-    gradient of q's folded rows head .. head + Tc*dG - 1 (the grouped compressed call's,
-    compressed_groups.to_grouped's layout), added by the dQ sums in the same pass: no launch or
-    [T, Hq, Dk] pass of its own."""
+    items are built."""
     q, k, v = dense(q, k, v)
     B, T, Hkv = k.shape[:3]
     Hq, Dk = query_heads(q, q_heads), q.shape[-1]
@@ -411,12 +408,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         dq, dk, dv = acc
         if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape) or not all(x.is_contiguous() for x in acc):
             raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
-    if extra_dq is not None:
-        x, head = extra_dq
-        if not folded or x.dim() != 4 or x.shape[0] != B * Hkv or x.shape[3] != Dk or x.dtype != q.dtype or head < 0 \
-                or head + x.shape[1] * x.shape[2] > q.shape[2] or x.stride(3) != 1:
-            raise ValueError(f"backward: extra_dq must be [B*Hkv, dG, Tc, Dk] in q's dtype (last dim dense) within a "
-                             f"folded q's {q.shape[2]} rows from head {head} on; got {tuple(x.shape)} {x.dtype}")
     kernel, how = _pass_kernel(cfg, "bwd", q, v, consts)
     # Several ranges run last first: a block is final in the range holding its first key (no
     # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
@@ -461,8 +452,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
-        _slot_sum(dqp, None, range_index, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None,
-                  extra=extra_dq)
+        _slot_sum(dqp, None, range_index, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
     tail = q.shape[2] % G if folded else 0
     if tail and acc is None:
         # A folded q's last rows past its last whole token (R not a multiple of G): no token of
@@ -533,14 +523,13 @@ def _tracing(x: Tensor) -> bool:
 
 
 def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0, local=None,
-              acc: bool = False, local_in_out: bool = False, extra=None) -> None:
+              acc: bool = False, local_in_out: bool = False) -> None:
     """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
     given; with the local partial when given, as forward takes it) or summed (dQ, plse None);
     out_strides as nsa_flex.folded.group_strides gives them. pad: that many tokens after the range
     get zeros (rows of a folded dQ past the sequence). acc (sum only): add to what out holds.
     local_in_out: out is the local partial's own buffer (forward(into_local=True)), read there row
-    by row. extra (sum only, out folded): None, or (x [B*Hkv, dG, Tc, D], head), another gradient
-    of out's folded rows head .. head + Tc*dG - 1 added in the same pass (see backward)."""
+    by row."""
     B, T, Hq, n, D = part.shape
     if B * (T + pad) * Hq == 0:
         return
@@ -560,18 +549,10 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
         # out holds the partial: loc is never read, and the lse rows (alive anyway) stand in for it,
         # so that no launch takes the one buffer twice.
         loc = loc_lse
-    if extra is None:
-        # Never read: the index's row counts (an int32 tensor no other argument aliases) stand in.
-        x, head, Tc, dG, x_strides = index.counts, 0, 0, 1, (0, 0, 0)
-    else:
-        x, head = extra
-        _, dG, Tc, _ = x.shape
-        x_strides = x.stride()[:3]
     wrap_triton(merge_kernels._slot_kernel)[(B * (T + pad) * Hkv,)](
         part, plse_, gid, out, lse_, loc, loc_lse, T, T + pad, t0, Hkv, *part.stride()[:4], *sp, *gid.stride()[:3],
-        *out_strides, *sl, *loc_strides, x, head, Tc, dG, *x_strides, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP,
-        MERGE=merge, LOCAL=local is not None, ACC=acc, LOCAL_IN_OUT=local_in_out, EXTRA=extra is not None,
-        num_warps=_slot_warps(GP, DP))
+        *out_strides, *sl, *loc_strides, N=n, NP=next_pow2(n), G=G, GP=GP, D=D, DP=DP, MERGE=merge,
+        LOCAL=local is not None, ACC=acc, LOCAL_IN_OUT=local_in_out, num_warps=_slot_warps(GP, DP))
 
 
 def _slot_warps(GP: int, DP: int) -> int:

@@ -21,10 +21,9 @@ if HAS_TRITON:
         part_ptr, plse_ptr, gid_ptr, out_ptr, lse_ptr, loc_ptr, loc_lse_ptr, T, TG, T0, Hkv,
         sp_b, sp_t, sp_h, sp_n, spl_b, spl_t, spl_h, sg_b, sg_h, sg_t,
         so_b, so_t, so_kv, so_g, sl_b, sl_h, sl_t, sx_b, sx_h, sx_r, sxl_b, sxl_h,
-        extra_ptr, HEAD, TC, DG, se_n, se_j, se_i,
         N: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
         DP: tl.constexpr, MERGE: tl.constexpr, LOCAL: tl.constexpr, ACC: tl.constexpr = False,
-        LOCAL_IN_OUT: tl.constexpr = False, EXTRA: tl.constexpr = False,
+        LOCAL_IN_OUT: tl.constexpr = False,
     ):
         """One (b, t, kv head h) of the range: for each of its G query heads, the n slots' partials
         [n, D] -> out [D] in out's dtype at token T0 + t (part, plse, gid: [B, T', ...] of the
@@ -41,10 +40,7 @@ if HAS_TRITON:
         Else a plain sum (dQ). Slots that read nothing
         (gid -1) were never written and are not loaded. The grid covers TG >= T tokens: tokens
         t >= T (rows of a folded buffer past the sequence) get zeros. ACC (sum only): out holds
-        another gradient of these rows already, which the sum adds to. EXTRA (sum only, out
-        folded): one more gradient joins the sum, extra [B*Hkv, DG, TC, D] (the grouped compressed
-        call's dQ, compressed_groups.to_grouped's layout) at folded rows HEAD .. HEAD + TC*DG - 1,
-        row HEAD + i*DG + j at (b*Hkv + h, j, i): the sum is rounded once.
+        another gradient of these rows already, which the sum adds to.
         """
         b, h, t, g, d, hq, g_ok, rows, row_ok, gid_row = _slot_program(
             gid_ptr, TG, Hkv, sp_b, sp_t, sp_h, sg_b, sg_h, sg_t, G, GP, D, DP)
@@ -66,11 +62,6 @@ if HAS_TRITON:
                 out += tl.load(part_ptr + rows + slot * sp_n, mask=row_ok & ok, other=0.0).to(tl.float32)
         if ACC:
             out += tl.load(out_at, mask=row_ok, other=0.0).to(tl.float32)
-        if EXTRA:
-            rel = (T0 + t) * G + g - HEAD
-            at = (b * Hkv + h) * se_n + (rel % DG) * se_j + (rel // DG) * se_i
-            ok = row_ok & live & ((rel >= 0) & (rel < TC * DG))[:, None]
-            out += tl.load(extra_ptr + at[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
