@@ -211,6 +211,58 @@ def test_fused_optimizer_skips_on_the_device_as_on_the_host(tmp_path, monkeypatc
             assert torch.equal(t, host_state["optimizer"]["state"][pid][key]), (pid, key)
 
 
+def _fused_optimizer(monkeypatch):
+    """Every run in the test builds a fused optimizer (the update queued on the device) and takes
+    it as fused on the CPU too."""
+    from nsa_flex.training import train as train_module
+
+    build = train_module.build_optimizer
+
+    def fused(model, **kw):
+        optimizer = build(model, **kw)
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        return optimizer
+
+    monkeypatch.setattr(train_module, "build_optimizer", fused)
+    monkeypatch.setattr(train_module, "_fused", lambda optimizer: True)
+    return train_module
+
+
+def test_steps_read_back_after_the_next_is_queued(tmp_path, monkeypatch):
+    """With the update queued on the device, a step is read back after the next one is queued,
+    except a step that saves a checkpoint and the last: the checkpoint holds exactly its step
+    (a resume from it continues bit for bit), and every step's metrics come, in order."""
+    train_module = _fused_optimizer(monkeypatch)
+    order = []
+    launch, finish = train_module._launch_step, train_module._finish_step
+    monkeypatch.setattr(train_module, "_launch_step",
+                        lambda *a: (order.append(f"L{a[-1]}"), launch(*a))[1])
+    monkeypatch.setattr(train_module, "_finish_step",
+                        lambda state, run, config, world, launched, last: (order.append(f"F{launched.step}"),
+                                                                         finish(state, run, config, world, launched,
+                                                                                last))[1])
+    model = {"attention": "dense"}
+    full = train(tiny(tmp_path, "full", steps=6, checkpoint_every=3, model=model))
+    assert order == ["L1", "L2", "F1", "L3", "F2", "F3", "L4", "L5", "F4", "L6", "F5", "F6"]
+    assert [r["step"] for r in read_metrics(tmp_path / "full")] == list(range(1, 7))
+    resumed = train(tiny(tmp_path, "resumed", steps=6, resume=str(ckpt.checkpoint_path(tmp_path / "full", 3)),
+                         model=model))
+    assert resumed.start_step == 3 and resumed.losses == full.losses[3:]
+
+
+def test_queued_nonfinite_losses_in_a_row_abort(tmp_path, monkeypatch):
+    """Read back a step late, non-finite steps still abort at the step that reaches the limit."""
+    _fused_optimizer(monkeypatch)
+
+    def poison(step, loss):
+        return loss * float("inf") if step >= 2 else loss
+
+    with pytest.raises(NonFiniteLossError, match=r"3 steps in a row \(steps 2..4\); aborting at step 4"):
+        train(tiny(tmp_path, steps=10, nonfinite_limit=3, model={"attention": "dense"}),
+              hooks=TrainHooks(loss_transform=poison))
+
+
 def test_nonfinite_losses_in_a_row_abort(tmp_path):
     def poison(step, loss):
         return loss * float("inf") if step >= 2 else loss

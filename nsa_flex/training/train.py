@@ -6,9 +6,11 @@ activation checkpointing -> compile each block -> DDP / FSDP2 -> optimizer, sche
 
 One step: zero grads; for each micro-batch forward under autocast, cross-entropy in fp32,
 backward (gradient sync on the last micro-batch only); unscale (fp16); clip; one all-reduce of
-[loss, finite flag] (the step's single host sync); then step, or skip the step when the loss
-(or, without a GradScaler, the gradient norm) is not finite. Every rank takes the same
-decision from the same reduced numbers, so no collective is ever left unmatched.
+[loss, finite flag] (read back in the step's single host sync); then step, or skip the step when
+the loss (or, without a GradScaler, the gradient norm) is not finite. Every rank takes the same
+decision from the same reduced numbers, so no collective is ever left unmatched. With a fused
+optimizer the update is queued on the GPU and skipped there, and the step is read back after
+the next one is queued.
 """
 
 from __future__ import annotations
@@ -145,21 +147,34 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
         report.on_message(f"model: {model.num_params():,} parameters, {run.model.attention} attention"
                           + (f" (impl {run.model.impl})" if run.model.attention == "nsa" else "")
                           + f"; data: {batches.source.describe()}")
-        # 6. The loop.
-        for step in range(state.step + 1, config.steps + 1):
-            if hooks.before_step is not None:
-                hooks.before_step(step)
-            metrics = _timed_step(state, run, config, world, hooks, step)
+        # 6. The loop. A step whose update is queued on the GPU (_LaunchedStep.ahead) is read
+        # back after the next step is queued, so the GPU never waits for the host between
+        # steps; a step that saves a checkpoint, and the last, are read back at once.
+        pending, last_done = None, None
+
+        def finish(launched: _LaunchedStep) -> None:
+            nonlocal last_done
+            metrics = _finish_step(state, run, config, world, launched, last_done)
+            last_done = time.perf_counter()
             result.record(metrics)
             if writer is not None:
                 writer.write(metrics)
             report.on_step(metrics)
             _check_nonfinite(state, config.nonfinite_limit)
-            if config.save_checkpoints and (step == config.steps or (
-                    config.checkpoint_every and step % config.checkpoint_every == 0)):
+            if _saves(config, launched.step):
                 result.checkpoint = _save(config, state, world)
                 report.on_message(f"checkpoint saved: {result.checkpoint}")
-            dog.beat(step)
+            dog.beat(launched.step)
+
+        for step in range(state.step + 1, config.steps + 1):
+            if hooks.before_step is not None:
+                hooks.before_step(step)
+            launched = _launch_step(state, run, config, world, hooks, step)
+            if pending is not None:
+                finish(pending)
+            pending = launched if launched.ahead and step < config.steps and not _saves(config, step) else None
+            if pending is None:
+                finish(launched)
         result.peak_memory_gib = memory_gib(run.device)
         report.on_end(result.summary())
         return result
@@ -192,33 +207,42 @@ class _State:
                 "nonfinite_total": self.nonfinite_total}
 
 
-def _timed_step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, hooks: TrainHooks,
-                step: int) -> dict:
-    """One optimizer step, the schedule advanced and the counters updated; returns its metrics."""
+def _saves(config: TrainConfig, step: int) -> bool:
+    """Whether `step` ends with a checkpoint."""
+    return config.save_checkpoints and (step == config.steps or bool(
+        config.checkpoint_every and step % config.checkpoint_every == 0))
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose work is queued; _finish_step reads its numbers back."""
+
+    step: int
+    start: float
+    """perf_counter() when the step began on the host."""
+    values: torch.Tensor
+    """[mean-summed loss, ranks with a finite loss, grad norm]: on the host (pinned) where `ahead`."""
+    done: torch.cuda.Event | None
+    """Recorded after the copy of `values` to the host (CUDA, `ahead` only)."""
+    ahead: bool
+    """The update is queued on the device (skipped there where not finite) and the values copied
+    without a sync: the next step can be queued before this one is read back."""
+    lr: float | None
+    """The learning rate of the queued update (None: the host steps at _finish_step)."""
+
+
+def _launch_step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, hooks: TrainHooks,
+                 step: int) -> _LaunchedStep:
+    """Queue one optimizer step over grad_accum micro-batches, up to its readback.
+
+    The host waits for the GPU at most once a step, for the loss and finiteness (_finish_step).
+    Before that it has sampled the next micro-batch and, with a fused optimizer, no GradScaler and
+    no FSDP (whose DTensor parameters were not checked with it), queued the optimizer's update,
+    skipped on the GPU where the loss or norm is not finite, and advanced the schedule: then the
+    numbers go to pinned host memory without a sync, and the loop queues the next step before
+    reading them, so the GPU does not sit idle between steps while the host does its bookkeeping
+    (docs/decisions.md, "Training steps as CUDA graphs")."""
     start = time.perf_counter()
-    loss, norm, skipped = _step(state, run, config, world, hooks, step)
-    lr = state.optimizer.param_groups[0]["lr"]
-    state.scheduler.step()
-    state.step = step
-    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
-    state.nonfinite_total += int(skipped)
-    elapsed = time.perf_counter() - start
-    tokens = config.batch_size * config.T * config.grad_accum * world.world_size
-    return {"step": step, "total_steps": config.steps, "loss": loss, "lr": lr, "grad_norm": norm,
-            "skipped": skipped, "nonfinite_total": state.nonfinite_total, "step_time_s": elapsed,
-            "tokens_per_s": tokens / elapsed, "memory_gib": memory_gib(run.device),
-            "scale": state.scaler.get_scale() if state.scaler is not None else None}
-
-
-def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, hooks: TrainHooks,
-          step: int) -> tuple[float, float, bool]:
-    """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm, skipped).
-
-    The host waits for the GPU once, for the step's loss and finiteness. Before that it has
-    sampled the next micro-batch and, with a fused optimizer, no GradScaler and no FSDP (whose
-    DTensor parameters were not checked with it), queued the optimizer's update, skipped on the
-    GPU where the loss or norm is not finite: the GPU does not sit idle between steps while the
-    host does either (docs/decisions.md, "Training steps as CUDA graphs")."""
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=run.device)
@@ -240,21 +264,54 @@ def _step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, ho
     norm = par.grad_norm(model, config.grad_clip)
     stats = par.all_reduce_sum(torch.stack([loss_sum, torch.isfinite(loss_sum).float()]), world)
     # With a GradScaler, non-finite gradients are its business (it skips and lowers the scale).
-    queued = scaler is None and run.parallel != "fsdp" and _fused(optimizer)
-    if queued:
+    ahead = scaler is None and run.parallel != "fsdp" and _fused(optimizer)
+    lr = None
+    if ahead:
+        lr = optimizer.param_groups[0]["lr"]
         _step_unless(optimizer, (stats[1] < world.world_size) | ~torch.isfinite(norm))
+        state.scheduler.step()
     state.batches.prefetch()
-    # The step's one host sync: the mean loss over ranks, how many ranks saw a finite loss, the norm.
-    loss, finite_ranks, norm = torch.cat([stats, norm.detach().float().reshape(1).to(stats.device)]).tolist()
+    values = torch.cat([stats, norm.detach().float().reshape(1).to(stats.device)])
+    done = None
+    if ahead and values.is_cuda:
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        values = host
+    return _LaunchedStep(step, start, values, done, ahead, lr)
+
+
+def _finish_step(state: _State, run: RunPlan, config: TrainConfig, world: par.World, launched: _LaunchedStep,
+                 last_done: float | None) -> dict:
+    """Read a launched step's numbers back (the step's one host sync), step the optimizer and the
+    schedule where the host decides, update the counters; returns the step's metrics. Its time
+    runs from its start, or from the previous step's readback where that came later (a step
+    queued ahead): in a steady run, the time between steps."""
+    if launched.done is not None:
+        launched.done.synchronize()
+    loss, finite_ranks, norm = launched.values.tolist()
     loss /= world.world_size
-    skipped = finite_ranks < world.world_size or (scaler is None and not math.isfinite(norm))
-    if scaler is not None:
-        if not skipped:
-            scaler.step(optimizer)
-        scaler.update()
-    elif not skipped and not queued:
-        optimizer.step()
-    return loss, norm, skipped
+    skipped = finite_ranks < world.world_size or (state.scaler is None and not math.isfinite(norm))
+    lr = launched.lr
+    if lr is None:
+        if state.scaler is not None:
+            if not skipped:
+                state.scaler.step(state.optimizer)
+            state.scaler.update()
+        elif not skipped:
+            state.optimizer.step()
+        lr = state.optimizer.param_groups[0]["lr"]
+        state.scheduler.step()
+    state.step = launched.step
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
+    state.nonfinite_total += int(skipped)
+    elapsed = time.perf_counter() - max(launched.start, last_done if last_done is not None else launched.start)
+    tokens = config.batch_size * config.T * config.grad_accum * world.world_size
+    return {"step": launched.step, "total_steps": config.steps, "loss": loss, "lr": lr, "grad_norm": norm,
+            "skipped": skipped, "nonfinite_total": state.nonfinite_total, "step_time_s": elapsed,
+            "tokens_per_s": tokens / elapsed, "memory_gib": memory_gib(run.device),
+            "scale": state.scaler.get_scale() if state.scaler is not None else None}
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
