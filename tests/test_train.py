@@ -231,7 +231,7 @@ def _fused_optimizer(monkeypatch):
 
 def test_steps_read_back_after_the_next_is_queued(tmp_path, monkeypatch):
     """With the update queued on the device, a step is read back after the next one is queued,
-    except a step that saves a checkpoint and the last: the checkpoint holds exactly its step
+    except the first, a step that saves a checkpoint and the last: the checkpoint holds exactly its step
     (a resume from it continues bit for bit), and every step's metrics come, in order."""
     train_module = _fused_optimizer(monkeypatch)
     order = []
@@ -244,7 +244,7 @@ def test_steps_read_back_after_the_next_is_queued(tmp_path, monkeypatch):
                                                                                 last))[1])
     model = {"attention": "dense"}
     full = train(tiny(tmp_path, "full", steps=6, checkpoint_every=3, model=model))
-    assert order == ["L1", "L2", "F1", "L3", "F2", "F3", "L4", "L5", "F4", "L6", "F5", "F6"]
+    assert order == ["L1", "F1", "L2", "L3", "F2", "F3", "L4", "L5", "F4", "L6", "F5", "F6"]
     assert [r["step"] for r in read_metrics(tmp_path / "full")] == list(range(1, 7))
     resumed = train(tiny(tmp_path, "resumed", steps=6, resume=str(ckpt.checkpoint_path(tmp_path / "full", 3)),
                          model=model))

@@ -149,8 +149,9 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
                           + f"; data: {batches.source.describe()}")
         # 6. The loop. A step whose update is queued on the GPU (_LaunchedStep.ahead) is read
         # back after the next step is queued, so the GPU never waits for the host between
-        # steps; a step that saves a checkpoint, and the last, are read back at once.
-        pending, last_done = None, None
+        # steps; the first step (which compiles: its time stays its own), a step that saves a
+        # checkpoint, and the last are read back at once.
+        pending, last_done, first = None, None, state.step + 1
 
         def finish(launched: _LaunchedStep) -> None:
             nonlocal last_done
@@ -172,7 +173,8 @@ def train(config: TrainConfig, *, callback: TrainCallback | None = None, hooks: 
             launched = _launch_step(state, run, config, world, hooks, step)
             if pending is not None:
                 finish(pending)
-            pending = launched if launched.ahead and step < config.steps and not _saves(config, step) else None
+            ahead = launched.ahead and first < step < config.steps and not _saves(config, step)
+            pending = launched if ahead else None
             if pending is None:
                 finish(launched)
         result.peak_memory_gib = memory_gib(run.device)
