@@ -129,7 +129,8 @@ def model_notes(cfg: ModelBenchConfig) -> list[str]:
         "mode B=b: b sequences of T tokens per step. One step = nsa_flex.training.train's step: batch from the synthetic "
         "kv task, forward under autocast, fp32 cross-entropy, backward, grad clip, AdamW (fused on CUDA), LR "
         "schedule; one host sync per step.",
-        f"median ms: host time of one step, median of {cfg.steps} timed steps after {cfg.warmup} warm-up steps; "
+        f"median ms: host time of one step (with the update queued on the GPU, from the previous step's readback to "
+        f"its own), median of {cfg.steps} timed steps after {cfg.warmup} warm-up steps; "
         "first call ms: the first step alone (compilation included).",
         "note: tokens/s = B*T / median step; est = nsa_flex.training.memory.estimate of the peak (params, grads, AdamW, "
         "activations, masks, logits); extra.peak_over_estimate = measured / estimate.",
