@@ -528,14 +528,22 @@ def test_backward_refuses_a_saved_index_of_other_ranges():
 
 def test_range_tokens_bound_the_partial_buffers():
     """Ranges: the whole sequence when its partials fit, else multiples of 64 tokens whose
-    partial buffer stays within PARTIAL_BYTES; an explicit range_tokens wins."""
+    partial buffer stays within PARTIAL_BYTES, as few as fit and of even length (the last no
+    shorter than the others by more than 64 tokens a range); an explicit range_tokens wins."""
     assert launch.range_tokens(1, 8192, 12, 16, 64, torch.bfloat16) == 8192
+    assert launch.range_tokens(1, 65536, 12, 16, 64, torch.bfloat16) == 32768  # seeds-125m's heads
     for B, T, Hq, D, dtype in [(1, 65536, 16, 128, torch.bfloat16), (2, 65536, 12, 64, torch.float32),
-                               (64, 4096, 64, 192, torch.bfloat16)]:
+                               (64, 4096, 64, 192, torch.bfloat16), (1, 65536, 12, 64, torch.bfloat16),
+                               (1, 100000, 16, 128, torch.bfloat16), (1, 65536, 64, 192, torch.bfloat16)]:
         R = launch.range_tokens(B, T, Hq, 16, D, dtype)
         size = launch.partial_dtype(dtype).itemsize
         assert R % 64 == 0 and 64 <= R < T
         assert R == 64 or B * R * Hq * 16 * D * size <= launch.PARTIAL_BYTES
+        ranges = launch._ranges(T, R)
+        fewest = -(-T // max(64, launch.PARTIAL_BYTES // (B * Hq * 16 * D * size) // 64 * 64))
+        assert len(ranges) == fewest
+        last = ranges[-1][1] - ranges[-1][0]
+        assert R - last <= 64 * len(ranges), (R, last)
     assert launch.range_tokens(1, 65536, 16, 16, 128, torch.bfloat16, dict(range_tokens=100)) == 100
 
 

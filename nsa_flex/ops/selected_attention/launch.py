@@ -119,14 +119,21 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, tiles: dict | None = None) -> int:
     """Tokens per range: the partial buffer [B, range, Hq, n, D] within PARTIAL_BYTES, a multiple
-    of 64 tokens (at least 64), or all T when that fits (at least 1: T = 0 has no ranges).
-    tiles["range_tokens"] > 0 overrides."""
+    of 64 tokens (at least 64), or all T when that fits (at least 1: T = 0 has no ranges). The
+    fewest ranges that fit, of even length: at seeds-125m's heads and 64k two of 32k tokens (768
+    MiB of partials) rather than 43648 and 21888 (1 GiB, the op's peak). tiles["range_tokens"] > 0
+    overrides."""
     fixed = (tiles or {}).get("range_tokens", 0)
     if fixed:
         return max(1, min(T, int(fixed)))
     per_token = B * Hq * n * D * partial_dtype(dtype).itemsize
     fit = PARTIAL_BYTES // max(1, per_token)
-    return max(1, T) if fit >= T else max(64, fit // 64 * 64)
+    if fit >= T:
+        return max(1, T)
+    longest = max(64, fit // 64 * 64)
+    ranges = -(-T // longest)
+    even = -(-T // ranges)
+    return -(-even // 64) * 64  # <= longest: even <= longest, a multiple of 64
 
 
 def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int,
