@@ -51,7 +51,8 @@ class TrainHooks:
     """Fault injection for tests and drills (never set in normal runs)."""
 
     before_step: Callable[[int], None] | None = None
-    """Called with the step number before each step (e.g. sleep to test the watchdog)."""
+    """Called with the step number before each step (e.g. sleep to test the watchdog); where steps
+    are read back ahead, the step before may not be read back yet."""
     loss_transform: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     """Maps (step, loss) to the loss that is backpropagated (e.g. NaN to test the guard)."""
     clock: Callable[[], float] | None = None
