@@ -60,3 +60,51 @@ def test_two_process_torchrun_matches_one_process(tmp_path, parallel, single_pro
     assert record["start"] == 2
     assert record["losses"] == pytest.approx(single_process_losses, rel=1e-5)
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2, 3]
+
+
+AHEAD = """
+    from nsa_flex.training import train as train_module
+    build = train_module.build_optimizer
+
+    def fused(model, **kw):
+        optimizer = build(model, **kw)
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        return optimizer
+
+    train_module.build_optimizer = fused
+    train_module._fused = lambda optimizer: True
+"""
+
+
+def test_two_process_ddp_reads_steps_ahead(tmp_path, monkeypatch):
+    """DDP with a fused optimizer: steps 2 and 3 of 4 are read back after the next one is queued
+    (the update queued on each rank, the collectives in step order); the losses match one process
+    with the whole batch and the same optimizer stepped by the host after each readback, and a
+    resume from the last checkpoint goes on as that run does."""
+    script = tmp_path / "run.py"
+    code = SCRIPT.replace('parallel, out = sys.argv[1], sys.argv[2]\n',
+                          'parallel, out = sys.argv[1], sys.argv[2]\n' + textwrap.dedent(AHEAD))
+    # Every step inside the warmup: the learning rate does not depend on the run's length, so a
+    # run of 4 steps resumed to 5 takes the steps a run of 5 takes.
+    code = code.replace("dict(base, steps=2)", "dict(base, steps=4)").replace("dict(base, steps=3,",
+                                                                               "dict(base, steps=5,")
+    code = code.replace("warmup_steps=2", "warmup_steps=8")
+    script.write_text(code)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), "ddp", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "losses.json").read_text())
+    from nsa_flex.training import train as train_module
+
+    namespace = {}
+    exec(textwrap.dedent(AHEAD), namespace)  # the fused optimizer in this process, undone after the test
+    monkeypatch.setattr(train_module, "build_optimizer", namespace["fused"])
+    monkeypatch.setattr(train_module, "_fused", lambda optimizer: False)
+    single = train(build_config({}, dict(seq_len=64, batch_size=4, warmup_steps=8, steps=5,
+                                         out_dir=str(tmp_path / "single"), tensorboard=False)))
+    assert record["start"] == 4
+    assert record["losses"] == pytest.approx(single.losses, rel=1e-5)
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [4, 5]
