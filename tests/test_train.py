@@ -20,6 +20,7 @@ import zipfile
 import pytest
 import torch
 
+from fused_optimizer import fused_builder
 from nsa_flex.training.train import NonFiniteLossError, TrainHooks, train
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import ConfigError, build_config, plan
@@ -178,17 +179,11 @@ def test_fused_optimizer_skips_on_the_device_as_on_the_host(tmp_path, monkeypatc
     and optimizer state, bit for bit, as the host deciding after the sync."""
     from nsa_flex.training import train as train_module
 
-    def fused(model, **kw):
-        optimizer = build(model, **kw)
-        for group in optimizer.param_groups:
-            group["fused"], group["foreach"] = True, False
-        return optimizer
-
     def poison(step, loss):
         return _NanGrad.apply(loss) if step == 2 else loss * float("nan") if step == 4 else loss
 
-    build, queued = train_module.build_optimizer, []
-    monkeypatch.setattr(train_module, "build_optimizer", fused)
+    queued = []
+    monkeypatch.setattr(train_module, "build_optimizer", fused_builder(train_module.build_optimizer))
     step_unless = train_module._step_unless
     monkeypatch.setattr(train_module, "_step_unless", lambda *a: (queued.append(1), step_unless(*a)))
     runs = {}
@@ -216,15 +211,7 @@ def _fused_optimizer(monkeypatch):
     it as fused on the CPU too."""
     from nsa_flex.training import train as train_module
 
-    build = train_module.build_optimizer
-
-    def fused(model, **kw):
-        optimizer = build(model, **kw)
-        for group in optimizer.param_groups:
-            group["fused"], group["foreach"] = True, False
-        return optimizer
-
-    monkeypatch.setattr(train_module, "build_optimizer", fused)
+    monkeypatch.setattr(train_module, "build_optimizer", fused_builder(train_module.build_optimizer))
     monkeypatch.setattr(train_module, "_fused", lambda optimizer: True)
     return train_module
 

@@ -12,8 +12,11 @@ import subprocess
 import sys
 import textwrap
 
+from pathlib import Path
+
 import pytest
 
+from fused_optimizer import fused_builder
 from nsa_flex.training.train import train
 from nsa_flex.training import checkpoint as ckpt
 from nsa_flex.training.config import build_config
@@ -62,17 +65,14 @@ def test_two_process_torchrun_matches_one_process(tmp_path, parallel, single_pro
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2, 3]
 
 
-AHEAD = """
+# Prepended to SCRIPT: train() with a fused optimizer, its update queued on the device and steps
+# read back ahead (tests/fused_optimizer.py).
+AHEAD = f"""
+    import sys
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    from fused_optimizer import fused_builder
     from nsa_flex.training import train as train_module
-    build = train_module.build_optimizer
-
-    def fused(model, **kw):
-        optimizer = build(model, **kw)
-        for group in optimizer.param_groups:
-            group["fused"], group["foreach"] = True, False
-        return optimizer
-
-    train_module.build_optimizer = fused
+    train_module.build_optimizer = fused_builder(train_module.build_optimizer)
     train_module._fused = lambda optimizer: True
 """
 
@@ -99,9 +99,7 @@ def test_two_process_ddp_reads_steps_ahead(tmp_path, monkeypatch):
     record = json.loads((out / "losses.json").read_text())
     from nsa_flex.training import train as train_module
 
-    namespace = {}
-    exec(textwrap.dedent(AHEAD), namespace)  # the fused optimizer in this process, undone after the test
-    monkeypatch.setattr(train_module, "build_optimizer", namespace["fused"])
+    monkeypatch.setattr(train_module, "build_optimizer", fused_builder(train_module.build_optimizer))
     monkeypatch.setattr(train_module, "_fused", lambda optimizer: False)
     single = train(build_config({}, dict(seq_len=64, batch_size=4, warmup_steps=8, steps=5,
                                          out_dir=str(tmp_path / "single"), tensorboard=False)))
