@@ -20,7 +20,7 @@ from interpreter import interpreter_mark
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import fold, unfold
 from nsa_flex.ops.selected_attention import kernels, launch, selected_attention
-from nsa_flex.ops.selected_attention.index import build_index, num_virtual_blocks, work_list
+from nsa_flex.ops.selected_attention.index import build_index, num_virtual_blocks, split_items_bound, work_list
 
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
@@ -187,6 +187,10 @@ def test_index_matches_dense(B, Hkv, T, n, L, cu):
             assert all(0 < items.end[w] - items.start[w] <= span for w in range(f, f + c))
         used = int(items.n_items.sum())
         assert (items.blk[used:] == -1).all()
+        # The items of rows with several come first, within the bound the partial buffers take.
+        split = sorted(w for w in range(used) if items.n_items[items.blk[w]] > 1)
+        assert split == list(range(len(split)))
+        assert len(split) <= split_items_bound(B * Hkv * T * n, span)
 
 
 def test_index_of_a_unique_selection_without_the_repeat_check():

@@ -46,7 +46,9 @@ class WorkList(NamedTuple):
     """Work items: spans of at most `span` entries of one row, a static number of them.
 
     Item w covers entries [start[w], end[w]) of row blk[w]; blk[w] = -1 for surplus items.
-    Row r's items are first_item[r] .. first_item[r] + n_items[r] - 1, in entry order.
+    Row r's items are first_item[r] .. first_item[r] + n_items[r] - 1, in entry order. The items
+    of rows with several come first (row by row), then the rows with one: only the first
+    split_items_bound() items ever belong to a row with several, and only those write partials.
     """
 
     blk: Tensor
@@ -127,11 +129,19 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
     BH = rows // index.blk_start.shape[0]
     counts = index.counts.long()
     n_items = (counts + span - 1) // span
-    last = torch.cumsum(n_items, 0)
-    first = last - n_items
+    # Rows with several items first (their items write partials: the partial buffers then need
+    # only split_items_bound rows), then the others, each group in row order. Shapes stay static:
+    # two cumulative counts, no compaction.
+    split = n_items > 1
+    last_split = torch.cumsum(torch.where(split, n_items, 0), 0)
+    last_other = torch.cumsum(torch.where(split, 0, n_items), 0)
+    n_split = last_split[-1:]
+    first = torch.where(split, last_split - n_items, n_split + last_other - n_items)
     W = BH * (-(-(T * n) // span) + index.blk_start.shape[0])
     w = torch.arange(W, device=counts.device)
-    row = torch.searchsorted(last, w, right=True)
+    in_split = w < n_split
+    row = torch.where(in_split, torch.searchsorted(last_split, w, right=True),
+                      torch.searchsorted(last_other, w - n_split, right=True))
     surplus = row >= rows
     row = row.clamp(max=rows - 1)
     start = index.offsets.long()[row] + (w - first[row]) * span
@@ -139,6 +149,12 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
     blk = torch.where(surplus, -1, row)
     return WorkList(blk.to(torch.int32), start.to(torch.int32), end.to(torch.int32), first.to(torch.int32),
                     n_items.to(torch.int32))
+
+
+def split_items_bound(entries: int, span: int) -> int:
+    """A bound on the items of rows with several, from shapes: such a row has c > span entries
+    and ceil(c / span) < 2 c / span items, so all of them have fewer than 2 * entries / span."""
+    return 2 * -(-entries // span)
 
 
 def _bounds(cu_seqlens: Tensor | None, T: int, device) -> Tensor:

@@ -16,7 +16,7 @@ from nsa_flex.folded import group_strides
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import gluon_kernels, kernels, merge_kernels
 from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, num_virtual_blocks, \
-    work_list
+    split_items_bound, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
@@ -147,7 +147,8 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     index = 24 * B * Hkv * R * n
     forward = B * R * Hq * n * (part * Dv + 4)
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
-    items = B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1))
+    items = min(B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1)),
+                split_items_bound(B * Hkv * R * n, span))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
     # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
@@ -435,8 +436,10 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             items = work_items(range_index, span, t1 - t0, n)
         W, Nv = items.blk.shape[0], range_index.blk_start.shape[0]
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
-        dkp = torch.empty(W, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
-        dvp = torch.empty(W, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
+        # Partials only for the items of blocks with several, which the work list puts first.
+        P = min(W, split_items_bound(B * Hkv * (t1 - t0) * n, span))
+        dkp = torch.empty(P, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
+        dvp = torch.empty(P, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         # One range: no sums; the index's counts and offsets (int32 tensors no other argument
         # aliases) stand in for them, never read or written.
         sum_k, sum_v = (dk_sum, dv_sum) if sums else (range_index.counts, range_index.offsets)
