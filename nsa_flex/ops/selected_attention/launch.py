@@ -147,14 +147,20 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     index = 24 * B * Hkv * R * n
     forward = B * R * Hq * n * (part * Dv + 4)
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
-    items = min(B * Hkv * (-(-R * n // span) + num_virtual_blocks(T, sel_block, 1)),
-                split_items_bound(B * Hkv * R * n, span))
+    items = _partial_items(B * Hkv, R, n, span, num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
     # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
     ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
     backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq
     return int(index + max(forward, backward))
+
+
+def _partial_items(BH: int, R: int, n: int, span: int, Nv: int) -> int:
+    """Rows of the backward's fp32 dK/dV partial buffers for a range of R tokens: only the items of
+    blocks with several write one, and the work list puts those first (index.split_items_bound);
+    at most its W = BH * (ceil(R * n / span) + Nv) items."""
+    return min(BH * (-(-R * n // span) + Nv), split_items_bound(BH * R * n, span))
 
 
 def _tiles(q: Tensor, k: Tensor, v: Tensor, G: int, tiles: dict | None) -> dict:
@@ -436,8 +442,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             items = work_items(range_index, span, t1 - t0, n)
         W, Nv = items.blk.shape[0], range_index.blk_start.shape[0]
         dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
-        # Partials only for the items of blocks with several, which the work list puts first.
-        P = min(W, split_items_bound(B * Hkv * (t1 - t0) * n, span))
+        P = _partial_items(B * Hkv, t1 - t0, n, span, Nv)
         dkp = torch.empty(P, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(P, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         # One range: no sums; the index's counts and offsets (int32 tensors no other argument
