@@ -91,7 +91,8 @@ def row_scores(q, k_cmp, lse, config, hs, ts):
     scores = importance_scores(p.permute(1, 0, 2)[None], T, G, config, t=ts)[0, 0]
     abs_dot = scale * q_rgd.norm(dim=-1).max().item() * k_rdc.norm(dim=1).max().item()
     finite = torch.where(vis, s_minus_lse.abs(), 0.0).max().item()
-    return scores, importance_tolerance(Dk, G, config, abs_dot, finite)
+    bits = select_triton.list_tile_bits(T, config.sel_block, select_triton.launch_config(G, Dk, config.n_selected)["BS"])
+    return scores, importance_tolerance(Dk, G, config, abs_dot, finite, cleared_bits=bits)
 
 
 def time_ms(fn) -> float:

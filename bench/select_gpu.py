@@ -54,6 +54,7 @@ SETTINGS = {
         "no rotation": {"ROTATE": 0},
     },
     (65536, 12, 3, 64): {"default": DEFAULT, "exact queues": EXACT},
+    (32768, 12, 3, 64): {"default": DEFAULT},
 }
 # Wider tiles: BS = 32 selection blocks per tile hold a token's n best in twice the columns, so
 # fewer sorted keys per column lose as few blocks (each key a column keeps costs a max and a min

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nsa_flex.ops.select.checks import assert_same_selection, importance_scores, importance_tolerance, scores_fp64, visible
+from nsa_flex.ops.select.kernels import list_tile_bits
 
 from nsa_flex import reference
 from nsa_flex.blocks import num_cmp_blocks, num_sel_blocks
@@ -77,7 +78,8 @@ def reference_selection(q, k_cmp, lse, config, scale=None, cu_seqlens=None):
 
 
 def selection_tolerance(q, k_cmp, lse, config, scale=None) -> float:
-    """importance_tolerance for these inputs (0 without compressed tokens)."""
+    """importance_tolerance for these inputs (0 without compressed tokens), with the score bits the
+    selection kernel's lists may clear at this length (tiles of 4 selection blocks or more)."""
     if k_cmp.shape[1] == 0:
         return 0.0
     Dk = q.shape[-1]
@@ -86,7 +88,8 @@ def selection_tolerance(q, k_cmp, lse, config, scale=None) -> float:
     abs_dot = scale * q64.norm(dim=-1).max().item() * k64.norm(dim=-1).max().item()
     s_minus_lse = scores_fp64(q64, k64, scale) - lse.cpu().double()[..., None]
     finite = torch.where(torch.isfinite(s_minus_lse), s_minus_lse.abs(), 0.0)
-    return importance_tolerance(Dk, q.shape[2] // k_cmp.shape[2], config, abs_dot, finite.max().item())
+    return importance_tolerance(Dk, q.shape[2] // k_cmp.shape[2], config, abs_dot, finite.max().item(),
+                                cleared_bits=list_tile_bits(q.shape[1], config.sel_block, 4))
 
 
 def _documents(T, Tc, config, cu_seqlens):

@@ -175,6 +175,8 @@ def test_launch_config_defaults():
     # register cap of 128 at G' <= 4 and 168 at G' >= 8, Dk <= 128 only.
     assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (511, 512)] == [0, 6]
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
+    # Past 4096 tiles a list key has no room for the tile: the exact queues (T > 4M tokens).
+    assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (4096 * 16, 4096 * 16 + 1)] == [6, 0]
     caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"]
             for G in (1, 2, 3, 4, 8, 16) for Dk in (64, 128, 192)}
     assert {key: cap for key, cap in caps.items() if cap} == {
@@ -187,6 +189,59 @@ def test_lists_out_of_range():
     q, k_cmp, lse = make_inputs(1, 64, config, device=DEVICE)
     with pytest.raises(ValueError, match=r"LISTS \(keys kept per token and tile column\) must be 0 .* to 8, got 9"):
         run_kernel(q, k_cmp, lse, config, {"LISTS": 9})
+
+
+def test_lists_refused_past_their_key_bits():
+    """Tiles of 4 selection blocks: 4097 tiles need 13 bits of a 32-bit key, one more than allowed."""
+    config = make_config(1, 16, 4)
+    T = 4097 * 4 * config.sel_block
+    q, k_cmp, lse = make_inputs(1, 64, config, device="cpu")
+    q = q.new_zeros(1, T, q.shape[2], q.shape[3])
+    lse = lse.new_zeros(1, lse.shape[1], T)
+    k_cmp = k_cmp.new_zeros(1, num_cmp_blocks(T, config), k_cmp.shape[2], k_cmp.shape[3])
+    assert select_triton.list_tile_bits(T - 4 * config.sel_block, config.sel_block, 4) == 12
+    with pytest.raises(ValueError, match=r"LISTS=6 needs at most 4096 tiles of 4 selection blocks, got 1048832 "
+                                         r"tokens; use LISTS=0"):
+        run_kernel(q.to(DEVICE), k_cmp.to(DEVICE), lse.to(DEVICE), config, {"BS": 4, "LISTS": 6})
+
+
+if select_triton.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _list_key_kernel(key_ptr, col_ptr, out_ptr, BS: tl.constexpr, ROTATE: tl.constexpr, JT_BITS: tl.constexpr,
+                         NUM: tl.constexpr):
+        i = tl.arange(0, NUM)
+        out = select_triton._list_key64(tl.load(key_ptr + i), tl.load(col_ptr + i), BS, ROTATE, JT_BITS)
+        tl.store(out_ptr + i, out)
+
+
+@pytest.mark.parametrize("rotate", [1, 0])
+def test_list_keys_rank_as_64_bit_keys(rotate):
+    """The lists' 32-bit keys (a score's bits with the low JT_BITS cleared, the tile counted down in
+    them): within a column they order as the 64-bit keys of the cleared score and the block id (ties
+    to the lower id), and _list_key64 gives back exactly that 64-bit key; the empty key maps to EMPTY."""
+    BS, bits, num = 16, 6, 256
+    g = torch.Generator().manual_seed(rotate)
+    # Scores: positive floats over many binades, some equal after clearing, +inf (forced), -inf (none).
+    score = torch.exp(torch.randn(num, generator=g) * 20).float()
+    score[:32] = score[32:64] * (1 + 2.0 ** -20)  # equal once the low bits are cleared
+    score[64:68], score[68:72] = math.inf, -math.inf
+    jt = torch.randint(0, 2 ** bits, (num,), generator=g, dtype=torch.int32)
+    col = torch.randint(0, BS, (num,), generator=g, dtype=torch.int32)
+    cleared = score.view(torch.int32) & -(1 << bits)
+    key32 = cleared | ((1 << bits) - 1 - jt)
+    key32[-1] = -2147483648  # an empty list slot
+    src = (col + (BS - jt % BS)) % BS if rotate else col
+    block = jt.long() * BS + src.long()
+    want = (cleared.long() << 32) | (2147483647 - block)
+    want[-1] = -36028797018963968
+    out = torch.empty(num, dtype=torch.int64, device=DEVICE)
+    _list_key_kernel[(1,)](key32.to(DEVICE), col.to(DEVICE), out, BS, rotate, bits, num)
+    assert torch.equal(out.cpu(), want)
+    same = col[:-1, None] == col[None, :-1]
+    assert torch.equal((key32[:-1, None] > key32[None, :-1]) & same, (want[:-1, None] > want[None, :-1]) & same)
 
 
 def test_unknown_tile_key():

@@ -43,18 +43,22 @@ def importance_scores(p_bhtc, T: int, G: int, config: NSAConfig, t=None) -> torc
     return imp.masked_fill(forced, math.inf).masked_fill(~valid, -math.inf)
 
 
-def importance_tolerance(Dk: int, G: int, config: NSAConfig, abs_dot: float, max_s_minus_lse: float) -> float:
+def importance_tolerance(Dk: int, G: int, config: NSAConfig, abs_dot: float, max_s_minus_lse: float,
+                         cleared_bits: int = 0) -> float:
     """Relative error bound of an fp32 importance against the fp64 one, times 2 (both sides).
 
     With u = 2^-24: the fp32 dot q.k errs by at most (Dk + 2) u scale sum|q_d k_d| (abs_dot
     bounds scale sum|q_d k_d|, e.g. scale |q| |k| by Cauchy-Schwarz); s - lse adds
     u |s - lse|; exp adds a few u (GPU ex2.approx included: 4u). Each importance is a sum of
-    at most G (R + m - 1) non-negative terms, adding that many u relative.
+    at most G (R + m - 1) non-negative terms, adding that many u relative. A ranking with the
+    low cleared_bits of each fp32 score cleared (the selection kernel's lists,
+    kernels.list_tile_bits) rounds toward zero by less than 2^(cleared_bits + 1) u relative.
     """
     u = 2.0 ** -24
     e = (Dk + 2) * u * abs_dot + u * max_s_minus_lse + 4 * u
     R, m = config.sel_block // config.cmp_stride, config.cmp_block // config.cmp_stride
-    return 2 * (e + G * (R + m - 1) * u)
+    rounding = 2.0 ** (cleared_bits + 1) * u if cleared_bits else 0.0
+    return 2 * (e + G * (R + m - 1) * u + rounding)
 
 
 def assert_same_selection(got, want, scores, tol: float) -> int:

@@ -12,7 +12,10 @@ sum is register adds). Tiles that every token sees whole skip the causal mask. T
 queues candidates per (token, tile column) and merges rarely, or (LISTS, long sequences) keeps
 sorted lists per (token, tile column) with no merge during the walk; a program whose lists lost
 a block walks again with the queues (see the kernel's docstring). Forced blocks score +inf,
-blocks after the query's own -inf.
+blocks after the query's own -inf. The lists hold 32-bit keys: a score's bits with the low
+`list_tile_bits` cleared, its tile in them. So a launch with lists ranks importance rounded
+toward zero to 23 - list_tile_bits mantissa bits (17 at T = 64k with the paper's geometry, a
+relative step of 2^-17, finer than the fp32 scores' own error); ties go to the lower block id.
 
 The fold. Compression block i covers stride units [i, i + m), m = l / d; selection block j
 covers units [j R, j R + R). For i = j R + a the overlap with block j is min(a + m, R) - a
@@ -43,6 +46,19 @@ try:
     HAS_TRITON = True
 except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its torch twin
     HAS_TRITON = False
+
+# The lists' 32-bit keys keep the tile in their low bits: at most this many (4096 tiles, 4M tokens at
+# the paper's geometry), so that importance keeps 11 mantissa bits or more. Longer sequences (and
+# documents) walk with the exact queues.
+MAX_LIST_TILE_BITS = 12
+
+
+def list_tile_bits(T: int, sel_block: int, BS: int) -> int:
+    """Low bits of a list key that hold its tile: enough for every tile of a T-token sequence, at
+    least 1. Those bits of each score are cleared before it is ranked (in both walks of a launch)."""
+    tiles = -(-(-(-T // sel_block)) // BS)
+    return max(1, (tiles - 1).bit_length())
+
 
 # The keys of select_blocks_triton's tiles (maxnreg: a cap on registers per thread, 0 for none).
 TILE_KEYS = ("BT", "BS", "DEPTH", "LISTS", "ROTATE", "num_warps", "num_stages", "maxnreg")
@@ -77,6 +93,12 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     walks again at once with the exact queues (in the same launch: see _select_kernel); 4 keys
     lost in 32% of them (3.42 ms), 8 in none (2.73 ms, more registers).
 
+    The lists' keys are 32-bit (list_tile_bits): one max and one min a key, where 64-bit keys
+    took pairs of instructions, and half the registers. Against 64-bit list keys (H100, bf16,
+    the same launch otherwise; docs/records/select_list_keys_32bit_h100.json): 1.16-1.18 against
+    1.26 ms at T=64k, Hq=12, Hkv=3, Dk=64 (seeds-125m's heads), 0.36-0.37 against 0.39-0.40 at
+    32k, 1.96-2.02 against 2.20-2.23 at 64k, G=4, Dk=128, 5.39 against 5.58 at 64k, G=16.
+
     With the lists the kernel holds both walks (the lists', and the queues' of a program that
     walks again). Built for sm_90 without a GPU: 174 registers uncapped at G' = 4, Dk = 128,
     161 at Dk = 64, 226 at G' = 8, 197 at G' = 16 (two programs per SM); capped at 128 (G' <= 4,
@@ -91,7 +113,8 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
     BS = max(16, next_pow2(n))
-    lists = 6 if blocks >= 32 * BS else 0
+    fits = list_tile_bits(blocks, 1, BS) <= MAX_LIST_TILE_BITS
+    lists = 6 if blocks >= 32 * BS and fits else 0
     return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
             "maxnreg": (128 if GP <= 4 else 168) if lists and Dk <= 128 else 0}
 
@@ -124,6 +147,10 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
     if tiles["LISTS"] not in range(9):
         raise ValueError(f"LISTS (keys kept per token and tile column) must be 0 (exact queues only) to 8, "
                          f"got {tiles['LISTS']}")
+    jt_bits = list_tile_bits(T, config.sel_block, BS) if tiles["LISTS"] else 0
+    if jt_bits > MAX_LIST_TILE_BITS:
+        raise ValueError(f"LISTS={tiles['LISTS']} needs at most {2 ** MAX_LIST_TILE_BITS} tiles of {BS} selection "
+                         f"blocks, got {T} tokens; use LISTS=0 (the exact queues) at this length")
     out = torch.empty((B, Hkv, T, n), dtype=torch.int32, device=q.device)
     if T == 0:
         return _pad_slots(out, config.n_selected)
@@ -144,7 +171,7 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
         SEL_BLOCK=config.sel_block, BS=BS, DEPTH=tiles["DEPTH"], N=n,
         N_INIT=config.n_initial, N_LOCAL=config.n_local,
         VARLEN=cu_seqlens is not None, IEEE=q.dtype == torch.float32,
-        LISTS=tiles["LISTS"], ROTATE=bool(tiles["ROTATE"]), REDO=True,
+        LISTS=tiles["LISTS"], ROTATE=bool(tiles["ROTATE"]), JT_BITS=jt_bits, REDO=True,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], writes=(out,),
         maxnreg=tiles["maxnreg"],
     )
@@ -213,7 +240,7 @@ if HAS_TRITON:
         CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
         N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
         VARLEN: tl.constexpr, IEEE: tl.constexpr, LISTS: tl.constexpr, ROTATE: tl.constexpr,
-        REDO: tl.constexpr,
+        JT_BITS: tl.constexpr, REDO: tl.constexpr,
     ):
         """Scores transposed, s^T = k_cmp tile . q^T: [BS*R' compression blocks, BT*G' columns].
 
@@ -271,13 +298,14 @@ if HAS_TRITON:
 
         k_base = k_ptr + b * sk_b + h * sk_h
         top, lost = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles, n_whole,
-                          GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE, LISTS, ROTATE)
+                          GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE, LISTS, ROTATE,
+                          JT_BITS)
         if LISTS and REDO:
             if lost != 0:
                 # The lists lost a block: the same walk with the exact queues (LISTS = 0).
                 exact, unused = _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles,
                                       n_whole, GP, BT, TL, DK, DKP, R, RP, M_CMP, BS, DEPTH, N, N_INIT, N_LOCAL, IEEE,
-                                      0, ROTATE)
+                                      0, ROTATE, JT_BITS)
                 top = exact
 
         # Ascending ids, unused (-1: a -inf score) last.
@@ -295,11 +323,24 @@ if HAS_TRITON:
         tl.store(o_ptrs, res, mask=tok_ok[:, None] & (jb < N))
 
     @triton.jit
+    def _list_key64(key, jb, BS: tl.constexpr, ROTATE: tl.constexpr, JT_BITS: tl.constexpr):
+        """A 32-bit list key of column jb -> the 64-bit key (score bits << 32 | BIG - block id)."""
+        BIG: tl.constexpr = 2147483647
+        EMPTY: tl.constexpr = -36028797018963968
+        jt = (1 << JT_BITS) - 1 - (key & ((1 << JT_BITS) - 1))
+        if ROTATE:
+            j = jt * BS + (jb + (BS - jt % BS)) % BS
+        else:
+            j = jt * BS + jb
+        k = ((key & -(1 << JT_BITS)).to(tl.int64) << 32) | (BIG - j).to(tl.int64)
+        return tl.where(key == -2147483648, EMPTY, k)
+
+    @triton.jit
     def _walk(k_base, sk_t, cbos, clen, q_dn, lse2_n, col_last, scale2, tok_ok, own, n_tiles, n_whole,
               GP: tl.constexpr, BT: tl.constexpr, TL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
               R: tl.constexpr, RP: tl.constexpr, M_CMP: tl.constexpr, BS: tl.constexpr, DEPTH: tl.constexpr,
               N: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, IEEE: tl.constexpr,
-              LISTS: tl.constexpr, ROTATE: tl.constexpr):
+              LISTS: tl.constexpr, ROTATE: tl.constexpr, JT_BITS: tl.constexpr):
         """The program's walk over its tiles: (top, lost). top [BT, BS] int64 keys holds each
         token's n best in its first N columns; lost (LISTS > 0) is nonzero when some list pushed
         out a block that beats a token's n-th best kept.
@@ -336,6 +377,7 @@ if HAS_TRITON:
         slot = tl.arange(0, DEPTH)[:, None, None]
         # The key of a -inf score with id BIG: below every key that holds a block.
         EMPTY: tl.constexpr = -36028797018963968
+        EMPTY32: tl.constexpr = -2147483648
         top = tl.full([BT, BS], EMPTY, tl.int64)
         nth = tl.full([BT], float("-inf"), tl.float32)
         que = tl.full([DEPTH, BT, BS], EMPTY, tl.int64)
@@ -343,7 +385,7 @@ if HAS_TRITON:
         carry = tl.zeros([BT, BS], tl.float32)
         # LISTS > 0: the LISTS largest keys of each (token, column), sorted, L0 the largest;
         # drop: the largest key of a block pushed out of a list.
-        L0 = tl.full([BT, BS], EMPTY, tl.int64)
+        L0 = tl.full([BT, BS], EMPTY32, tl.int32)
         L1 = L0
         L2 = L0
         L3 = L0
@@ -384,6 +426,10 @@ if HAS_TRITON:
             valid = tok_ok[:, None] & (j <= own[:, None])
             forced = valid & ((j < N_INIT) | (j > own[:, None] - N_LOCAL))
             score = tl.where(forced, float("inf"), tl.where(valid, imp, float("-inf")))
+            if JT_BITS:
+                # Launches with lists rank scores with their low JT_BITS bits cleared, in both walks:
+                # one order, so a program that walks again selects as the lists would have.
+                score = (score.to(tl.int32, bitcast=True) & -(1 << JT_BITS)).to(tl.float32, bitcast=True)
             if LISTS:
                 if ROTATE:
                     # Column c takes the tile's block (c - jt) mod BS: blocks BS apart (a
@@ -392,7 +438,10 @@ if HAS_TRITON:
                     score = tl.gather(score, src, axis=1)
                     j = jt * BS + src
                 # One pass of insertion: each list keeps the larger, passes the smaller on.
-                x = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BIG - j).to(tl.int64)
+                # 32-bit keys: the score's bits (low JT_BITS cleared above) and, in those bits, the
+                # tile counted down: within a column a later tile holds a later block, so of equal
+                # scores the earlier block wins, as with the 64-bit keys.
+                x = score.to(tl.int32, bitcast=True) | ((1 << JT_BITS) - 1 - jt)
                 L0, x = tl.maximum(L0, x), tl.minimum(L0, x)
                 if LISTS > 1:
                     L1, x = tl.maximum(L1, x), tl.minimum(L1, x)
@@ -409,7 +458,7 @@ if HAS_TRITON:
                 if LISTS > 7:
                     L7, x = tl.maximum(L7, x), tl.minimum(L7, x)
                 # Keys >= 0 hold a score >= 0 (a block); -inf scores (no block) may go.
-                drop = tl.maximum(drop, tl.where(x >= 0, x, EMPTY))
+                drop = tl.maximum(drop, tl.where(x >= 0, x, EMPTY32))
             else:
                 key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BIG - j).to(tl.int64)
                 join = score > nth[:, None]
@@ -433,7 +482,16 @@ if HAS_TRITON:
         lost = 0
         if LISTS:
             # The n best of the lists: each column's best is its L0; taking it moves the column up.
-            top = tl.full([BT, BS], EMPTY, tl.int64)
+            # 64-bit keys first: across columns the block id, not the tile, breaks a tie.
+            L0 = _list_key64(L0, jb, BS, ROTATE, JT_BITS)
+            L1 = _list_key64(L1, jb, BS, ROTATE, JT_BITS)
+            L2 = _list_key64(L2, jb, BS, ROTATE, JT_BITS)
+            L3 = _list_key64(L3, jb, BS, ROTATE, JT_BITS)
+            L4 = _list_key64(L4, jb, BS, ROTATE, JT_BITS)
+            L5 = _list_key64(L5, jb, BS, ROTATE, JT_BITS)
+            L6 = _list_key64(L6, jb, BS, ROTATE, JT_BITS)
+            L7 = _list_key64(L7, jb, BS, ROTATE, JT_BITS)
+            drop = _list_key64(drop, jb, BS, ROTATE, JT_BITS)
             for k in tl.static_range(N):
                 best = tl.max(L0, axis=1)[:, None]
                 top = tl.where(jb == k, best, top)
