@@ -56,6 +56,17 @@ SETTINGS = {
     (65536, 12, 3, 64): {"default": DEFAULT, "exact queues": EXACT},
     (32768, 12, 3, 64): {"default": DEFAULT},
 }
+# With the lists' 32-bit keys (fewer registers): launch settings around the default again.
+AROUND = {
+    "stages3": {"num_stages": 3},
+    "BT32 w8": {"BT": 32, "num_warps": 8},
+    "BT32 w8 cap128": {"BT": 32, "num_warps": 8, "maxnreg": 128},
+    "LISTS5": {"LISTS": 5},
+    "LISTS7": {"LISTS": 7},
+    "DEPTH2": {"DEPTH": 2},
+    "cap112": {"maxnreg": 112},
+    "BT8": {"BT": 8},
+}
 # Wider tiles: BS = 32 selection blocks per tile hold a token's n best in twice the columns, so
 # fewer sorted keys per column lose as few blocks (each key a column keeps costs a max and a min
 # per score). Built for sm_90 without a GPU: at G=4, Dk=128, BS=32 with LISTS=4 and 8 warps takes
@@ -145,6 +156,7 @@ def main() -> None:
                         help="comma-separated TxHq or TxHqxHkvxDk among "
                              + ", ".join("x".join(map(str, k)) for k in SETTINGS))
     parser.add_argument("--wide", action="store_true", help="also time the wider tiles (WIDE) at every shape")
+    parser.add_argument("--around", action="store_true", help="also time the settings around the default (AROUND)")
     args = parser.parse_args()
     config = NSAConfig()
     result = {**header(), "config": dataclasses.asdict(config), "rows": []}
@@ -162,7 +174,7 @@ def main() -> None:
         twin = select_blocks_torch(q, k_cmp, lse, config)
         print(f"T={T} Hq={Hq}: twin {time.perf_counter() - start:.1f} s", flush=True)
         default_out = base_ms = None
-        for name, tiles in {**SETTINGS[key], **(WIDE if args.wide else {})}.items():
+        for name, tiles in {**SETTINGS[key], **(WIDE if args.wide else {}), **(AROUND if args.around else {})}.items():
             row, got = bench_setting(q, k_cmp, lse, config, name, tiles, twin, default_out)
             if name == "default":
                 default_out = got

@@ -177,6 +177,10 @@ def test_launch_config_defaults():
     assert select_triton.launch_config(4, 128, 32, 1023)["LISTS"] == 0
     # Past 4096 tiles a list key has no room for the tile: the exact queues (T > 4M tokens).
     assert [select_triton.launch_config(4, 128, 16, blocks)["LISTS"] for blocks in (4096 * 16, 4096 * 16 + 1)] == [6, 0]
+    # 3 stages with the lists at G' <= 4, Dk <= 64 (seeds-125m's heads).
+    stages = {(G, Dk) for G in (1, 2, 3, 4, 8, 16) for Dk in (64, 128, 192)
+              if select_triton.launch_config(G, Dk, 16, 1024)["num_stages"] == 3}
+    assert stages == {(G, 64) for G in (1, 2, 3, 4)}
     caps = {(G, Dk): select_triton.launch_config(G, Dk, 16, 1024)["maxnreg"]
             for G in (1, 2, 3, 4, 8, 16) for Dk in (64, 128, 192)}
     assert {key: cap for key, cap in caps.items() if cap} == {

@@ -99,6 +99,10 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     1.26 ms at T=64k, Hq=12, Hkv=3, Dk=64 (seeds-125m's heads), 0.36-0.37 against 0.39-0.40 at
     32k, 1.96-2.02 against 2.20-2.23 at 64k, G=4, Dk=128, 5.39 against 5.58 at 64k, G=16.
 
+    With them, 3 stages at G' <= 4, Dk <= 64: 1.11 against 1.15 ms at seeds-125m's heads, 64k;
+    at G=4, Dk=128 2.09 against 2.00 (H100, docs/records/select_list_keys_32bit_settings_h100.json;
+    BT=32 with 8 warps, 5 or 7 keys, DEPTH 2 and a cap of 112 no faster).
+
     With the lists the kernel holds both walks (the lists', and the queues' of a program that
     walks again). Built for sm_90 without a GPU: 174 registers uncapped at G' = 4, Dk = 128,
     161 at Dk = 64, 226 at G' = 8, 197 at G' = 16 (two programs per SM); capped at 128 (G' <= 4,
@@ -115,7 +119,8 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     BS = max(16, next_pow2(n))
     fits = list_tile_bits(blocks, 1, BS) <= MAX_LIST_TILE_BITS
     lists = 6 if blocks >= 32 * BS and fits else 0
-    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4, "num_stages": 2,
+    return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4,
+            "num_stages": 3 if lists and GP <= 4 and Dk <= 64 else 2,
             "maxnreg": (128 if GP <= 4 else 168) if lists and Dk <= 128 else 0}
 
 
