@@ -275,6 +275,9 @@ G16 = (1, 4099, 16, 128, 16, "paper", torch.bfloat16)
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=128), id="G4-lists6-maxnreg128"),
     pytest.param(1, 5000, 4, 128, 16, "paper", torch.bfloat16, dict(LISTS=4, ROTATE=0), id="G4-lists4-no-rotation"),
     pytest.param(1, 5000, 8, 64, 16, "paper", torch.bfloat16, dict(LISTS=6, maxnreg=168), id="G8-D64-lists6-maxnreg168"),
+    # The long-sequence settings at seeds-125m's heads (Dk = 64): lists, 3 stages, a cap of 128.
+    pytest.param(1, 5000, 4, 64, 16, "paper", torch.bfloat16, dict(LISTS=6, num_stages=3, maxnreg=128),
+                 id="G4-D64-lists6-stages3-maxnreg128"),
     pytest.param(1, 5000, 8, 128, 16, "paper", torch.bfloat16, dict(LISTS=1, maxnreg=168), id="G8-lists1-maxnreg168"),
 ])
 def test_kernel_matches_twin_gpu(B, T, G, Dk, n, geometry, dtype, tiles):
