@@ -24,7 +24,7 @@ import torch
 from bench.common import json_saver
 from nsa_flex.ops.select.checks import assert_same_selection, importance_scores, importance_tolerance
 
-from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks
+from nsa_flex.blocks import cmp_block_last_token, num_cmp_blocks, num_sel_blocks
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import select_blocks, select_blocks_torch
 from nsa_flex.ops.select import kernels as select_triton
@@ -91,7 +91,8 @@ def row_scores(q, k_cmp, lse, config, hs, ts):
     scores = importance_scores(p.permute(1, 0, 2)[None], T, G, config, t=ts)[0, 0]
     abs_dot = scale * q_rgd.norm(dim=-1).max().item() * k_rdc.norm(dim=1).max().item()
     finite = torch.where(vis, s_minus_lse.abs(), 0.0).max().item()
-    bits = select_triton.list_tile_bits(T, config.sel_block, select_triton.launch_config(G, Dk, config.n_selected)["BS"])
+    BS = select_triton.launch_config(G, Dk, config.n_selected)["BS"]
+    bits = select_triton.list_tile_bits(num_sel_blocks(T, config), BS)
     return scores, importance_tolerance(Dk, G, config, abs_dot, finite, cleared_bits=bits)
 
 

@@ -89,7 +89,7 @@ def selection_tolerance(q, k_cmp, lse, config, scale=None) -> float:
     s_minus_lse = scores_fp64(q64, k64, scale) - lse.cpu().double()[..., None]
     finite = torch.where(torch.isfinite(s_minus_lse), s_minus_lse.abs(), 0.0)
     return importance_tolerance(Dk, q.shape[2] // k_cmp.shape[2], config, abs_dot, finite.max().item(),
-                                cleared_bits=list_tile_bits(q.shape[1], config.sel_block, 4))
+                                cleared_bits=list_tile_bits(num_sel_blocks(q.shape[1], config), 4))
 
 
 def _documents(T, Tc, config, cu_seqlens):

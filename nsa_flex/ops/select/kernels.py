@@ -53,10 +53,11 @@ except ImportError:  # the CPU wheel of torch ships no Triton: the op runs its t
 MAX_LIST_TILE_BITS = 12
 
 
-def list_tile_bits(T: int, sel_block: int, BS: int) -> int:
-    """Low bits of a list key that hold its tile: enough for every tile of a T-token sequence, at
-    least 1. Those bits of each score are cleared before it is ranked (in both walks of a launch)."""
-    tiles = -(-(-(-T // sel_block)) // BS)
+def list_tile_bits(blocks: int, BS: int) -> int:
+    """Low bits of a list key that hold its tile: enough for every tile of BS selection blocks of a
+    sequence of `blocks` selection blocks, at least 1. Those bits of each score are cleared before
+    it is ranked (in both walks of a launch)."""
+    tiles = -(-blocks // BS)
     return max(1, (tiles - 1).bit_length())
 
 
@@ -117,7 +118,7 @@ def launch_config(G: int, Dk: int, n: int, blocks: int = 0) -> dict[str, int]:
     GP = next_pow2(G)
     BT = max(1, min(16, 128 // GP))
     BS = max(16, next_pow2(n))
-    fits = list_tile_bits(blocks, 1, BS) <= MAX_LIST_TILE_BITS
+    fits = list_tile_bits(blocks, BS) <= MAX_LIST_TILE_BITS
     lists = 6 if blocks >= 32 * BS and fits else 0
     return {"BT": BT, "BS": BS, "DEPTH": 4, "LISTS": lists, "ROTATE": 1, "num_warps": 4,
             "num_stages": 3 if lists and GP <= 4 and Dk <= 64 else 2,
@@ -144,15 +145,16 @@ def select_blocks_triton(q, k_cmp, lse, cu_seqlens, cu_seqlens_cmp, scale: float
             f"{config.cmp_block}, sel_block={config.sel_block}, cmp_stride={config.cmp_stride}"
         )
     # Tiles and queues sized by the blocks that exist: an n above Ns only adds unused (-1) slots.
-    n = min(config.n_selected, max(1, triton.cdiv(T, config.sel_block)))
-    tiles = {**launch_config(G, Dk, n, triton.cdiv(T, config.sel_block)), **tiles}
+    blocks = triton.cdiv(T, config.sel_block)
+    n = min(config.n_selected, max(1, blocks))
+    tiles = {**launch_config(G, Dk, n, blocks), **tiles}
     BT, BS = tiles["BT"], tiles["BS"]
     if BS < n:
         raise ValueError(f"tile of {BS} selection blocks cannot hold the top n={n}")
     if tiles["LISTS"] not in range(9):
         raise ValueError(f"LISTS (keys kept per token and tile column) must be 0 (exact queues only) to 8, "
                          f"got {tiles['LISTS']}")
-    jt_bits = list_tile_bits(T, config.sel_block, BS) if tiles["LISTS"] else 0
+    jt_bits = list_tile_bits(blocks, BS) if tiles["LISTS"] else 0
     if jt_bits > MAX_LIST_TILE_BITS:
         raise ValueError(f"LISTS={tiles['LISTS']} needs at most {2 ** MAX_LIST_TILE_BITS} tiles of {BS} selection "
                          f"blocks, got {T} tokens; use LISTS=0 (the exact queues) at this length")

@@ -6,9 +6,10 @@ compression blocks, maps compression blocks to selection blocks by their overlap
 (blocks.cmp_to_sel_weights: 1, 2, 2, 2, 1 for l=32, d=16, l'=64), sums the G query heads of
 each GQA group, forces the first n_initial and the n_local blocks ending at the query's own,
 drops blocks after the query's own and keeps the top n. Tie-break: equal scores take the
-lower block index first. On long sequences the CUDA kernel ranks each score with its low
-mantissa bits cleared (17 of 23 kept at T = 64k, see kernels.list_tile_bits): a relative
-rounding below 2^-17 there, finer than the fp32 scores' own error. Output [B, Hkv, T, n] int32: ascending block ids, -1 (unused) last.
+lower block index first. Output [B, Hkv, T, n] int32: ascending block ids, -1 (unused) last.
+On long sequences the CUDA kernel ranks each score with its low mantissa bits cleared (17 of
+23 kept at T = 64k, see kernels.list_tile_bits): a relative rounding below 2^-17 there, finer
+than the fp32 scores' own error.
 
 On CUDA the op runs a streaming Triton kernel (ops/select/kernels.py) that never writes the
 [T, Tc] score matrix; elsewhere, or without Triton, it runs the torch twin below. The choice
