@@ -168,3 +168,12 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else.
     dq = next(r for r in analysis["rows"] if r["kernel"] == "_dq_kernel")
     assert dq["writes"] == ["DELTA", "DQ"]
+
+
+def test_slot_kernels_count_only_their_outputs_as_written(analysis):
+    """The merges and dQ sums write their outputs (and the merge its lse), and not the block-id rows
+    they read: a pointer handed to a helper whose results address a store would count as written,
+    and Inductor would treat the saved index as mutated."""
+    slots = [r for r in analysis["rows"] if r["kernel"] in ("_slot_kernel", "_slot_gated_kernel")]
+    assert len(slots) >= 4, slots
+    assert all(set(r["writes"]) <= {"out_ptr", "lse_ptr"} and "out_ptr" in r["writes"] for r in slots), slots
