@@ -170,6 +170,18 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     assert dq["writes"] == ["DELTA", "DQ"]
 
 
+def test_selected_kernels_count_only_their_outputs_as_written(analysis):
+    """The selected op's Triton forward and backward write their partials, dK / dV and the sums,
+    and not the index arrays they read (entries, items, block bounds), which the gated node saves
+    for its backward."""
+    fwd = [r for r in analysis["rows"] if r["kernel"] == "_fwd_kernel" and "po_ptr" in r["writes"]]
+    bwd = [r for r in analysis["rows"] if r["kernel"] == "_bwd_kernel"]
+    assert len(fwd) >= 2 and len(bwd) >= 2, analysis["rows"]
+    assert all(set(r["writes"]) == {"po_ptr", "plse_ptr"} for r in fwd), fwd
+    outputs = {"dqp_ptr", "dkp_ptr", "dvp_ptr", "dk_ptr", "dv_ptr", "dk_sum_ptr", "dv_sum_ptr"}
+    assert all(set(r["writes"]) <= outputs for r in bwd), bwd
+
+
 def test_slot_kernels_count_only_their_outputs_as_written(analysis):
     """The merges and dQ sums write their outputs (and the merge its lse), and not the block-id rows
     they read: a pointer handed to a helper whose results address a store would count as written,
