@@ -137,7 +137,7 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
     last_other = torch.cumsum(torch.where(split, 0, n_items), 0)
     n_split = last_split[-1:]
     first = torch.where(split, last_split - n_items, n_split + last_other - n_items)
-    W = BH * (-(-(T * n) // span) + index.blk_start.shape[0])
+    W = max_work_items(BH, T, n, span, index.blk_start.shape[0])
     w = torch.arange(W, device=counts.device)
     in_split = w < n_split
     row = torch.where(in_split, torch.searchsorted(last_split, w, right=True),
@@ -149,6 +149,12 @@ def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
     blk = torch.where(surplus, -1, row)
     return WorkList(blk.to(torch.int32), start.to(torch.int32), end.to(torch.int32), first.to(torch.int32),
                     n_items.to(torch.int32))
+
+
+def max_work_items(BH: int, T: int, n: int, span: int, Nv: int) -> int:
+    """The work list's length for BH (batch, kv head) pairs of T tokens, n slots and Nv blocks:
+    each row wastes less than one item of `span` entries."""
+    return BH * (-(-(T * n) // span) + Nv)
 
 
 def split_items_bound(entries: int, span: int) -> int:

@@ -15,8 +15,8 @@ from torch import Tensor
 from nsa_flex.folded import group_strides
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import gluon_kernels, kernels, merge_kernels
-from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, num_virtual_blocks, \
-    split_items_bound, work_list
+from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, max_work_items, \
+    num_virtual_blocks, split_items_bound, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
@@ -159,8 +159,8 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
 def _partial_items(BH: int, R: int, n: int, span: int, Nv: int) -> int:
     """Rows of the backward's fp32 dK/dV partial buffers for a range of R tokens: only the items of
     blocks with several write one, and the work list puts those first (index.split_items_bound);
-    at most its W = BH * (ceil(R * n / span) + Nv) items."""
-    return min(BH * (-(-R * n // span) + Nv), split_items_bound(BH * R * n, span))
+    at most all of its items."""
+    return min(max_work_items(BH, R, n, span, Nv), split_items_bound(BH * R * n, span))
 
 
 def _tiles(q: Tensor, k: Tensor, v: Tensor, G: int, tiles: dict | None) -> dict:
