@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.compression import Compressor, compressed_seqlens
 from nsa_flex.config import NSAConfig
+from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.folded import FoldedRows
 from nsa_flex.projections import fused_linear
 from nsa_flex.validate import check_compiled, check_inputs, needs_grad
@@ -154,12 +155,14 @@ class NSAAttention(nn.Module):
     x [B, T, dim] -> [B, T, dim]. `impl` picks the implementation of the op (see nsa_attention);
     after each eager forward `last_impl` names the one that ran ("reference" or "flex").
     `compiled`: on CUDA the flex branches run as one compiled graph per shape (see nsa_attention).
+    `tiles`: the flex path's speed knobs (flex.FlexTiles; None: its defaults).
     `rotary`, if given, is a callable (q, k) -> (q, k) applied to the selected/window keys and
     all queries; the compressed keys come from the un-rotated keys, since phi's intra-block
     position encoding already tells it where inside a block each token sits.
     """
 
-    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "auto", bias: bool = False, compiled: bool = True):
+    def __init__(self, config: NSAConfig, dim: int, *, impl: str = "auto", bias: bool = False, compiled: bool = True,
+                 tiles: "FlexTiles | None" = None):
         super().__init__()
         if not isinstance(config, NSAConfig):
             raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}; build one with "
@@ -171,7 +174,10 @@ class NSAAttention(nn.Module):
         # Unknown values fail here, not at the first forward.
         resolve_impl(impl, "cpu")
         check_compiled(compiled)
+        if tiles is not None and not isinstance(tiles, FlexTiles):
+            raise TypeError(f"tiles must be a FlexTiles or None, got {type(tiles).__name__}")
         self.config, self.dim, self.impl, self.compiled = config, dim, impl, compiled
+        self.tiles = FlexTiles() if tiles is None else tiles
         self.last_impl: str | None = None
         Hq, Hkv, Dk, Dv = config.n_heads, config.n_kv_heads, config.head_dim, config.dv
         self.wq = nn.Linear(dim, Hq * Dk, bias=bias)
@@ -275,12 +281,13 @@ class NSAAttention(nn.Module):
             # Nothing to recompute: the flex op with its gates, in its order without gradients
             # (under torch.no_grad, or a frozen layer with grad mode on).
             o, sel = compiled_path.run(flex.nsa_flex, self.compiled, q, k, v, k_cmp, v_cmp, self.gate(x_btc), cfg,
-                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+                                       block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win,
+                                       tiles=self.tiles)
             return self.wo(o.reshape(B, T, cfg.n_heads * cfg.dv)), sel
         gates = checkpoint(self.gate, x_btc, use_reentrant=False)
         o_cmp, o_sel, o_win, sel, gated = compiled_path.run(
             flex.nsa_flex_branches, self.compiled, q, k, v, k_cmp, v_cmp, cfg, gates=gates,
-            block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win)
+            block_indices=block_indices, cu_seqlens=cu_seqlens, k_win=k_win, v_win=v_win, tiles=self.tiles)
 
         def output(cmp_rows, o_sel, o_win, gates):
             o = flex.gated_sum(FoldedRows(cmp_rows, o_cmp.head), o_sel, o_win, gates,

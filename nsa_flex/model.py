@@ -30,11 +30,15 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa_flex.attention import IMPLS, NSAAttention, resolve_impl
 from nsa_flex.config import NSAConfig
+from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.projections import fused_linear
 from nsa_flex.validate import check_compiled
 
 ATTENTIONS = ("nsa", "dense")
 MODEL_IMPLS = IMPLS
+RUNTIME_FIELDS = ("impl", "sel_partial_bytes")
+"""NSAModelConfig fields that choose how the model runs, not what it computes: a checkpoint
+resumes under other values of them."""
 IGNORE_INDEX = -100
 """Targets equal to this take no part in the loss (unpredictable positions of a task)."""
 
@@ -65,6 +69,12 @@ class NSAModelConfig:
     """RoPE base."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
+    sel_partial_bytes: int = 2 << 30
+    """NSA layers: the selected op's partial buffers per token range (FlexTiles.sel_partial_bytes), a
+    speed and memory setting that leaves results unchanged. In training the activations are the
+    peak, not these buffers: at 64k tokens seeds-125m's layers take one range of 1.5 GiB instead of
+    two of 768 MiB, 1-2 ms a step faster at the same peak (H100, docs/decisions.md); the op alone
+    keeps 1 GiB, where they are its peak."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "mlp_hidden", "max_seq_len"):
@@ -79,6 +89,10 @@ class NSAModelConfig:
             raise TypeError(f"NSAModelConfig.nsa must be an NSAConfig, got {type(self.nsa).__name__}")
         if self.nsa.head_dim % 2:
             raise ValueError(f"NSAModelConfig.nsa.head_dim={self.nsa.head_dim}: RoPE needs an even head dim")
+        if (not isinstance(self.sel_partial_bytes, int) or isinstance(self.sel_partial_bytes, bool)
+                or self.sel_partial_bytes < 1):
+            raise ValueError(f"NSAModelConfig.sel_partial_bytes={self.sel_partial_bytes!r}: must be a positive "
+                             "number of bytes")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("NSAModelConfig.rope_theta and norm_eps must be > 0")
 
@@ -200,7 +214,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         if config.attention == "nsa":
-            self.attn = NSAAttention(config.nsa, config.dim, impl=config.impl)
+            self.attn = NSAAttention(config.nsa, config.dim, impl=config.impl,
+                                     tiles=FlexTiles(sel_partial_bytes=config.sel_partial_bytes))
         else:
             self.attn = DenseAttention(config.nsa, config.dim)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)

@@ -146,6 +146,9 @@ def test_flex_tiles_validate():
         FlexTiles(min_chunk_rows=0)
     with pytest.raises(ValueError, match="initial_copy_tokens=0: must be >= 1"):
         FlexTiles(initial_copy_tokens=0)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="sel_partial_bytes=.*None .* or a positive number of bytes"):
+            FlexTiles(sel_partial_bytes=bad)
 
 
 # ---------------------------------------------------------------- masks

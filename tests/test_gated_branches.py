@@ -61,10 +61,10 @@ def make_case(B, T, Hkv, G, D, LB, W, n, extra=3, head=5, signed=False, dtype=to
 NAMES = ("q", "k", "v", "cmp_rows", "gates")
 
 
-def node(cfg, x, bi, head, do, impl):
+def node(cfg, x, bi, head, do, impl, partial_bytes=0):
     leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
     o = gated_branches(leaves["q"], leaves["k"], leaves["v"], bi, cfg, leaves["cmp_rows"], head, leaves["gates"],
-                       impl=impl)
+                       impl=impl, partial_bytes=partial_bytes)
     return (o.detach(), *torch.autograd.grad(o, [leaves[n] for n in NAMES], do))
 
 
@@ -103,6 +103,25 @@ def test_kernels_interpreted(G, Hkv, T, D, LB, W, signed):
     cfg, x, bi, head, do = make_case(2 if D == 64 else 1, T, Hkv, G, D, LB, W, 6, signed=signed)
     for name, got, want in zip(("o", *NAMES), node(cfg, x, bi, head, do, "triton"),
                                node(cfg, x, bi, head, do, "torch")):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)
+
+
+@interpreter
+def test_partial_budget_splits_the_selected_op_into_ranges():
+    """partial_bytes reaches the selected op in both passes: a budget of 64 tokens' partials runs
+    three token ranges (the saved index says so, and the fake implementation agrees), and the
+    output and every gradient match the one-range default."""
+    cfg, x, bi, head, do = make_case(1, 150, 2, 4, 64, 32, 64, 6, signed=True)
+    per_token = cfg.n_heads * 6 * 64 * 4  # n fp32 partials of Dv per (token, query head)
+    budget = 64 * per_token
+    args = (x["q"], x["k"], x["v"], bi, x["cmp_rows"], head, x["gates"], 4, cfg.window, cfg.sel_block, 0.125,
+            "triton")
+    counts = {b: torch.ops.nsa_flex.gated_branches(*args, partial_bytes=b)[7] for b in (0, budget)}
+    assert counts[0].shape[0] == 1 and counts[budget].shape[0] == 3
+    torch.library.opcheck(torch.ops.nsa_flex.gated_branches.default, args, {"partial_bytes": budget},
+                          test_utils=("test_faketensor", ))
+    for name, got, want in zip(("o", *NAMES), node(cfg, x, bi, head, do, "triton", budget),
+                               node(cfg, x, bi, head, do, "triton")):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)
 
 
@@ -175,6 +194,9 @@ def test_errors_say_what_is_allowed():
         gated_branches(*args[:7], x["gates"][..., :2])
     with pytest.raises(ValueError, match="impl="):
         gated_branches(*args, impl="cuda")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="partial_bytes=.*allowed: a byte count > 0, or 0"):
+            gated_branches(*args, partial_bytes=bad)
 
 
 def test_backward_launches_refuse_what_they_cannot_take():

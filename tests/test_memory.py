@@ -74,7 +74,10 @@ def test_block_centric_selected_branch_counts_its_buffers():
     assert estimate(big, batch_size=1, seq_len=2 * T).workspace == pytest.approx(2 * block.workspace, rel=0.02)
     # Past one range the partials stop growing: what grows is the index and the fp32 dK/dV sums.
     long = [estimate(big, batch_size=1, seq_len=L).workspace for L in (1 << 16, 1 << 17)]
-    assert long[0] < 2 * PARTIAL_BYTES + (1 << 28) and long[1] - long[0] < long[0] / 2
+    assert long[0] < 2 * big.sel_partial_bytes + (1 << 28) and long[1] - long[0] < long[0] / 2
+    # The model's budget sets the ranges: at the op's own (PARTIAL_BYTES) 64k takes two ranges.
+    op_budget = estimate(big.replace(sel_partial_bytes=PARTIAL_BYTES), batch_size=1, seq_len=1 << 16).workspace
+    assert PARTIAL_BYTES < big.sel_partial_bytes and op_budget < long[0] - (512 << 20)
     assert block.total == sum(b for name, b in block.rows() if name != "total")
 
 

@@ -74,10 +74,20 @@ def test_impl_resolution():
     pytest.param({"impl": "triton"}, "impl='triton'", id="impl"),
     pytest.param({"dim": 0}, "dim=0", id="dim"),
     pytest.param({"vocab_size": 1.5}, "vocab_size=1.5", id="vocab-float"),
+    pytest.param({"sel_partial_bytes": 0}, "sel_partial_bytes=0: must be a positive number of bytes", id="partials"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         NSAModelConfig(**bad)
+
+
+def test_layers_take_the_partial_budget():
+    """NSAModelConfig.sel_partial_bytes reaches every NSA layer's tiles (which the flex path passes on
+    to the gated node); a layer refuses tiles of another type."""
+    model = NSALM(TINY.replace(sel_partial_bytes=12345), device="cpu")
+    assert all(layer.attn.tiles.sel_partial_bytes == 12345 for layer in model.layers)
+    with pytest.raises(TypeError, match="tiles must be a FlexTiles or None, got dict"):
+        NSAAttention(TINY.nsa, TINY.dim, tiles={"sel_partial_bytes": 1})
 
 
 def test_rotary_is_relative():

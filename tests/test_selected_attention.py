@@ -549,6 +549,9 @@ def test_range_tokens_bound_the_partial_buffers():
         last = ranges[-1][1] - ranges[-1][0]
         assert R - last <= 64 * len(ranges), (R, last)
     assert launch.range_tokens(1, 65536, 16, 16, 128, torch.bfloat16, dict(range_tokens=100)) == 100
+    # Another budget: seeds-125m's heads at 64k in one range of 1.5 GiB within 2 GiB.
+    assert launch.range_tokens(1, 65536, 12, 16, 64, torch.bfloat16, dict(partial_bytes=2 << 30)) == 65536
+    assert launch.range_tokens(1, 65536, 12, 16, 64, torch.bfloat16, dict(partial_bytes=24 << 20)) == 1024
 
 
 def test_compiled_index_skipped_while_tracing():

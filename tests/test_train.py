@@ -354,6 +354,9 @@ def test_corrupt_and_incompatible_checkpoints(tmp_path):
     newest.unlink()
     with pytest.raises(ckpt.CheckpointError, match="another model config .*attention: checkpoint 'nsa', now 'dense'"):
         train(tiny(tmp_path, steps=3, model={"attention": "dense"}))
+    # How the model runs may change: a runtime field differs and the run resumes.
+    other_budget = tiny(tmp_path, model={"sel_partial_bytes": 1 << 20}).to_dict()["model"]
+    ckpt.check_compatible(ckpt.load(ckpt.checkpoint_path(tmp_path / "run", 1)), other_budget, newest)
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ckpt.CheckpointError, match="junk.pt is corrupt") as err:
         train(tiny(tmp_path, steps=3, resume=str(tmp_path / "junk.pt")))

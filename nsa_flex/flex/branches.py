@@ -268,7 +268,8 @@ def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_ind
             # The window op's impl ("triton" or "torch") is the node's, its gated sum's too.
             impl = window_impl(q_fold, k, v, tiles, docs)
             o, o_sel, o_win = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates,
-                                             scale=scale, impl=impl, return_branches=True, grouped=grouped)
+                                             scale=scale, impl=impl, return_branches=True, grouped=grouped,
+                                             partial_bytes=tiles.sel_partial_bytes or 0)
             return o_cmp, o_sel, o_win, block_indices, GatedSum(o, impl)
         # The window first: its op hands the selected op the partial over the local blocks.
         o_win, local = window_and_local_branch(q_fold, k_win, v_win, config, scale, tiles, docs, qs.room,

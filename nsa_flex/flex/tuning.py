@@ -94,6 +94,13 @@ class FlexTiles:
     nsa_flex_branches (NSAAttention's path, whose gated sum is recomputed in the backward) keeps
     the three ops."""
 
+    sel_partial_bytes: int | None = None
+    """Where that node runs: the bytes of the block-centric selected op's partial buffers (o in the
+    forward, dQ in the backward) per token range; longer sequences run in several ranges, each
+    with its own index build and dK/dV pass. None: the op's default, 1 GiB, a memory bound for the
+    op's own peak (ops.selected_attention.launch.PARTIAL_BYTES). A model in training, whose peak is
+    the activations, takes more (NSAModelConfig.sel_partial_bytes)."""
+
     def __post_init__(self) -> None:
         if self.win_impl not in (None, *WINDOW_IMPLS):
             raise ValueError(f"FlexTiles.win_impl={self.win_impl!r}: allowed None (where it applies) or "
@@ -114,6 +121,11 @@ class FlexTiles:
             raise ValueError(f"FlexTiles.max_chunks={self.max_chunks!r}: must be a power of two >= 1")
         if self.min_chunk_rows < 1:
             raise ValueError(f"FlexTiles.min_chunk_rows={self.min_chunk_rows!r}: must be >= 1")
+        if self.sel_partial_bytes is not None and (not isinstance(self.sel_partial_bytes, int)
+                                                   or isinstance(self.sel_partial_bytes, bool)
+                                                   or self.sel_partial_bytes < 1):
+            raise ValueError(f"FlexTiles.sel_partial_bytes={self.sel_partial_bytes!r}: must be None (the op's "
+                             "default) or a positive number of bytes")
         if self.initial_copy_tokens < 1:
             raise ValueError(f"FlexTiles.initial_copy_tokens={self.initial_copy_tokens!r}: must be >= 1")
 

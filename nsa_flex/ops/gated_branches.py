@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, config: NSAConfig, cmp_rows: Tensor,
                    cmp_head: int, gates: Tensor, *, scale: float | None = None, impl: str = "auto",
-                   return_branches: bool = False, grouped: "Grouped | None" = None):
+                   return_branches: bool = False, grouped: "Grouped | None" = None, partial_bytes: int = 0):
     """o [B, T, Hq, Dv] in q's dtype; differentiable in q, k, v, cmp_rows and gates. With
     return_branches, (o, o_sel, o_win): the branch outputs the node keeps for its backward
     (no gradient flows through them), both folded [B, Hkv, T*G, Dv] (nsa_flex::gated_sum reads
@@ -67,7 +67,8 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
     each token's own selection block and the one before (see the module docstring); cmp_rows,
     cmp_head, gates as nsa_flex::gated_sum takes them. The window is config.window keys, the blocks
     config.sel_block tokens, with ops.window.local_fits(window, sel_block, Dk, Dv). impl: "auto"
-    (the kernels where ops.window.kernels_apply), "triton" or "torch" (the twins).
+    (the kernels where ops.window.kernels_apply), "triton" or "torch" (the twins). partial_bytes:
+    the selected op's partial buffers per token range (its tile key; 0: its PARTIAL_BYTES).
     """
     check_selected(q, k, v, block_indices, None, impl, config.n_heads)
     G = config.n_heads // k.shape[2]
@@ -90,8 +91,12 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
             raise ValueError(f"gated_branches: grouped queries {tuple(g.q.shape)} do not match cmp_rows "
                              f"{tuple(cmp_rows.shape)} ([B*Hkv, rows / Tc, Tc, Dk])")
         cmp = (g.q, g.k, g.v, g.lse, g.seed, g.offset, g.cudnn)
+    if not isinstance(partial_bytes, int) or isinstance(partial_bytes, bool) or partial_bytes < 0:
+        raise ValueError(f"gated_branches: partial_bytes={partial_bytes!r}; allowed: a byte count > 0, or 0 for the "
+                         "selected op's default")
     o, o_sel, _, o_win, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G,
-                                                               config.window, config.sel_block, scale, impl, *cmp)
+                                                               config.window, config.sel_block, scale, impl, *cmp,
+                                                               partial_bytes=partial_bytes)
     return (o, o_sel, o_win) if return_branches else o
 
 
@@ -104,12 +109,12 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_ro
                   gates: Tensor, group: int, window: int, sel_block: int, scale: float,
                   impl: str, q_cmp: Optional[Tensor] = None, k_cmp: Optional[Tensor] = None,
                   v_cmp: Optional[Tensor] = None, lse_cmp: Optional[Tensor] = None, cmp_seed: Optional[Tensor] = None,
-                  cmp_offset: Optional[Tensor] = None,
-                  cmp_cudnn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                    Tensor, Tensor, Tensor]:
+                  cmp_offset: Optional[Tensor] = None, cmp_cudnn: bool = False,
+                  partial_bytes: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                   Tensor, Tensor, Tensor]:
     """(o, o_sel (folded), lse_sel, o_win, lse_win, and the selected op's SavedIndex fields: its
     backward reuses the index instead of building it again). q_cmp ... cmp_cudnn: the Grouped
-    fields (None / False without), read by the backward only."""
+    fields (None / False without), read by the backward only. partial_bytes: as gated_branches'."""
     q_heads = group * k.shape[2]
     if not window_op._runs_kernels(q, k, v, impl):
         o_win, lse_win, _, _ = window_op.twin.forward(q, k, v, group, window, scale)
@@ -119,7 +124,8 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, cmp_ro
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     o_win, lse_win, o_loc, lse_loc = window_op.forward(q, k, v, group, window, scale, cfg, sel_block)
     # o_sel is written over the local partial o_loc (folded), row by row as the merge reads it.
-    o_sel, lse_sel, index = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block, q_heads=q_heads,
+    o_sel, lse_sel, index = selected_launch.forward(q, k, v, block_indices, None, scale, sel_block,
+                                                    _sel_tiles(partial_bytes), q_heads=q_heads,
                                                     local=dense(o_loc, lse_loc), keep_index=True, unique=True,
                                                     into_local=True)
     o = gated_sum_forward(cmp_rows, cmp_head, o_sel, o_win, gates, "triton", True)
@@ -132,7 +138,8 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                    impl: str, q_cmp: Optional[Tensor] = None, k_cmp: Optional[Tensor] = None,
                    v_cmp: Optional[Tensor] = None, lse_cmp: Optional[Tensor] = None,
                    cmp_seed: Optional[Tensor] = None, cmp_offset: Optional[Tensor] = None,
-                   cmp_cudnn: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   cmp_cudnn: bool = False,
+                   partial_bytes: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d cmp_rows, d gates, and with q_cmp the grouped call's dq4, dk4, dv4; d cmp_rows
     is then empty, and without q_cmp those three are)."""
     q_heads = group * k.shape[2]
@@ -154,9 +161,14 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
                                sel=(lse_sel, delta_sel, gate_sel, sel_block))
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
-                                          q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
+                                          _sel_tiles(partial_bytes), q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
                                           index=selected_launch.SavedIndex(*index))
     return dq, dk, dv, d_cmp, d_gates, *cmp_grads
+
+
+def _sel_tiles(partial_bytes: int) -> dict | None:
+    """The selected op's tiles: its defaults, with partial_bytes > 0 as its partial budget."""
+    return {"partial_bytes": partial_bytes} if partial_bytes > 0 else None
 
 
 def _cmp_apart(cmp_rows: Tensor, q_cmp) -> bool:
@@ -198,11 +210,13 @@ with quiet_without_triton():
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl, q_cmp=None,
-                  k_cmp=None, v_cmp=None, lse_cmp=None, cmp_seed=None, cmp_offset=None, cmp_cudnn=False):
+                  k_cmp=None, v_cmp=None, lse_cmp=None, cmp_seed=None, cmp_offset=None, cmp_cudnn=False,
+                  partial_bytes=0):
     B, T, Hkv, _ = k.shape
     Hq, Dv = Hkv * group, v.shape[-1]
     if window_op._runs_kernels(q, k, v, impl):
-        shapes = selected_launch.saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, Hq)
+        shapes = selected_launch.saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, Hq,
+                                                    _sel_tiles(partial_bytes))
         index = [q.new_empty(shape, dtype=torch.int32) for shape in shapes]
     else:
         index = _no_index(q)
@@ -213,7 +227,7 @@ def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, wind
 @_backward_op.register_fake
 def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index,
                    group, window, sel_block, scale, impl, q_cmp=None, k_cmp=None, v_cmp=None, lse_cmp=None,
-                   cmp_seed=None, cmp_offset=None, cmp_cudnn=False):
+                   cmp_seed=None, cmp_offset=None, cmp_cudnn=False, partial_bytes=0):
     grads = (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v))
     d_gates = torch.empty_like(gates, memory_format=torch.contiguous_format)
     if q_cmp is None:
@@ -227,13 +241,13 @@ def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel,
 def _setup_context(ctx, inputs, output):
     # inputs hold every argument, the defaults of those not given (None / False) included.
     (q, k, v, block_indices, cmp_rows, cmp_head, gates, group, window, sel_block, scale, impl, q_cmp, k_cmp, v_cmp,
-     lse_cmp, cmp_seed, cmp_offset, cmp_cudnn) = inputs
+     lse_cmp, cmp_seed, cmp_offset, cmp_cudnn, partial_bytes) = inputs
     _, o_sel, lse_sel, o_win, lse_win, *index = output
     ctx.mark_non_differentiable(o_sel, lse_sel, o_win, lse_win, *index)
     ctx.save_for_backward(q, k, v, block_indices, cmp_rows, gates, o_sel, lse_sel, o_win, lse_win, q_cmp, k_cmp, v_cmp,
                           lse_cmp, cmp_seed, cmp_offset, *index)
     ctx.args = (cmp_head, group, window, sel_block, scale, impl)
-    ctx.cmp_cudnn = cmp_cudnn
+    ctx.cmp_cudnn, ctx.partial_bytes = cmp_cudnn, partial_bytes
 
 
 def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
@@ -242,10 +256,10 @@ def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
     cmp_head, *rest = ctx.args
     dq, dk, dv, d_cmp, d_gates, dq_cmp, dk_cmp, dv_cmp = torch.ops.nsa_flex.gated_branches_backward(
         do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel, lse_sel, o_win, lse_win, index, *rest, *cmp,
-        ctx.cmp_cudnn)
+        ctx.cmp_cudnn, ctx.partial_bytes)
     if cmp[0] is None:  # no grouped call: cmp_rows takes its gradient
-        return dq, dk, dv, None, d_cmp, None, d_gates, *[None] * 12
-    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, dq_cmp, dk_cmp, dv_cmp, *[None] * 4
+        return dq, dk, dv, None, d_cmp, None, d_gates, *[None] * 13
+    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, dq_cmp, dk_cmp, dv_cmp, *[None] * 5
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from nsa_flex.model import RUNTIME_FIELDS
+
 FORMAT = "nsa-flex-train/1"
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -226,10 +228,12 @@ def check_same_data(state: dict, config: dict, path: Path, allow: bool) -> list[
 
 
 def check_compatible(state: dict, model_config: dict, path: Path) -> None:
-    """The checkpoint's model must be the configured one (impl aside: it is a runtime choice)."""
+    """The checkpoint's model must be the configured one (RUNTIME_FIELDS aside: they choose how it
+    runs, not what it computes)."""
     saved = dict(state["config"]["model"])
     now = dict(model_config)
-    saved.pop("impl", None), now.pop("impl", None)
+    for name in RUNTIME_FIELDS:
+        saved.pop(name, None), now.pop(name, None)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(now) if saved.get(k) != now.get(k)]
     if diff:
         raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)}); "

@@ -115,7 +115,7 @@ def estimate(config: NSAModelConfig, *, batch_size: int, seq_len: int, precision
     shard = world_size if parallel == "fsdp" else 1
     a = 4 if precision == "fp32" else 2
     tokens = batch_size * seq_len
-    tiles = FlexTiles(sel_q_block=sel_q_block, sel_impl=sel_impl)
+    tiles = FlexTiles(sel_q_block=sel_q_block, sel_impl=sel_impl, sel_partial_bytes=config.sel_partial_bytes)
     layer = _layer_bytes(config, a, compiled, impl, seq_len, tiles)
     if activation_checkpointing:
         activations = int(config.n_layers * 4 * config.dim * tokens + layer * tokens)
@@ -233,7 +233,8 @@ def _workspace_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, precision: 
 
     n = cfg.nsa
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    return workspace_bytes(B, T, n.n_heads, n.n_kv_heads, n.n_selected, n.head_dim, n.dv, n.sel_block, dtype)
+    return workspace_bytes(B, T, n.n_heads, n.n_kv_heads, n.n_selected, n.head_dim, n.dv, n.sel_block, dtype,
+                           tiles.sel_partial_bytes or 0)
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

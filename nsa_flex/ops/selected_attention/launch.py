@@ -23,12 +23,14 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "fwd_gluon", "bwd_gluon")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "partial_bytes", "fwd_gluon", "bwd_gluon")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
 # At T=64k, G=4 (H100) 1 GiB ranges (16k tokens) took 7.26 / 14.59 ms forward / backward against
-# 7.78 / 16.28 with 512 MiB: fuller work items, fewer index builds (docs/decisions.md).
+# 7.78 / 16.28 with 512 MiB: fuller work items, fewer index builds (docs/decisions.md). The default
+# of the op, whose peak they are; tiles["partial_bytes"] sets another (a model in training, where
+# the activations are the peak, takes more: NSAModelConfig.sel_partial_bytes).
 PARTIAL_BYTES = 1 << 30
 
 
@@ -89,7 +91,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     from the kernels it launches, so a capped launch runs through nsa_flex::capped_launch, opaque
     to it; that op's host time outweighs the saving below LONG_FROM_TOKENS tokens.
 
-    range_tokens (0: from PARTIAL_BYTES, see range_tokens()) overrides the token range length.
+    range_tokens (0: from the partial budget, see range_tokens()) overrides the token range length;
+    partial_bytes (0: PARTIAL_BYTES) is that budget.
     fwd_gluon / bwd_gluon 1: the forward / backward runs gluon_kernels' kernel where it applies
     (Hopper, 16-bit, Dk = Dv of 64 or 128, the chunks above, G a power of two): their gathers
     overlap the dots, 2.99 / 4.93 against 3.59 / 6.16 ms at T=64k, G=4 on an H100, and 1.41 /
@@ -107,7 +110,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
             "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0,
-            "bwd_maxnreg": 0, "range_tokens": 0, "fwd_gluon": 1, "bwd_gluon": 1}
+            "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,16 +121,17 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, tiles: dict | None = None) -> int:
-    """Tokens per range: the partial buffer [B, range, Hq, n, D] within PARTIAL_BYTES, a multiple
-    of 64 tokens (at least 64), or all T when that fits (at least 1: T = 0 has no ranges). The
-    fewest ranges that fit, of even length: at seeds-125m's heads and 64k two of 32k tokens (768
-    MiB of partials) rather than 43648 and 21888 (1 GiB, the op's peak). tiles["range_tokens"] > 0
-    overrides."""
-    fixed = (tiles or {}).get("range_tokens", 0)
+    """Tokens per range: the partial buffer [B, range, Hq, n, D] within tiles["partial_bytes"]
+    (0 or absent: PARTIAL_BYTES), a multiple of 64 tokens (at least 64), or all T when that fits
+    (at least 1: T = 0 has no ranges). The fewest ranges that fit, of even length: at seeds-125m's
+    heads and 64k two of 32k tokens (768 MiB of partials) rather than 43648 and 21888 (1 GiB, the
+    op's peak). tiles["range_tokens"] > 0 overrides."""
+    tiles = tiles or {}
+    fixed = tiles.get("range_tokens", 0)
     if fixed:
         return max(1, min(T, int(fixed)))
     per_token = B * Hq * n * D * partial_dtype(dtype).itemsize
-    fit = PARTIAL_BYTES // max(1, per_token)
+    fit = (tiles.get("partial_bytes", 0) or PARTIAL_BYTES) // max(1, per_token)
     if fit >= T:
         return max(1, T)
     longest = max(64, fit // 64 * 64)
@@ -137,10 +141,11 @@ def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, ti
 
 
 def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int,
-                    dtype: torch.dtype) -> int:
-    """The op's own buffers while its forward or backward runs (the larger), for memory estimates."""
+                    dtype: torch.dtype, partial_bytes: int = 0) -> int:
+    """The op's own buffers while its forward or backward runs (the larger), for memory estimates;
+    partial_bytes as the tile key (0: PARTIAL_BYTES)."""
     cfg = launch_config(Hq // Hkv, Dk, Dv, dtype, B * T)
-    R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype))
+    R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype, {"partial_bytes": partial_bytes}))
     part = partial_dtype(dtype).itemsize
     # Index of one range: entries and block ids (int32), the sort's keys (16-bit, sorted, an int32
     # copy for the row search) and its int64 order.
@@ -244,11 +249,11 @@ class SavedIndex(NamedTuple):
 
 
 def saved_index_shapes(B: int, T: int, Hkv: int, n: int, sel_block: int, q: Tensor, k: Tensor, v: Tensor,
-                       q_heads: int = 0) -> SavedIndex:
-    """The shapes of forward(keep_index=True)'s SavedIndex for these inputs (one sequence a row), as
-    tuples in its fields: for fake implementations."""
+                       q_heads: int = 0, tiles: dict | None = None) -> SavedIndex:
+    """The shapes of forward(keep_index=True)'s SavedIndex for these inputs and tiles (one sequence
+    a row), as tuples in its fields: for fake implementations."""
     Hq = query_heads(q, q_heads)
-    cfg = _tiles(q, k, v, Hq // Hkv, None)
+    cfg = _tiles(q, k, v, Hq // Hkv, tiles)
     R = range_tokens(B, T, Hq, n, max(q.shape[-1], v.shape[-1]), q.dtype, cfg)
     Nv = num_virtual_blocks(T, sel_block, 1)
     ranges = len(_ranges(T, R)) if T > 0 else 0
@@ -300,7 +305,7 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     if not keep_index:
         return o, lse
     if not indices:  # T = 0: no ranges, an index of saved_index_shapes' empty shapes
-        shapes = saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, q_heads)
+        shapes = saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, q_heads, tiles)
         return o, lse, SavedIndex(*(torch.zeros(shape, dtype=torch.int32, device=q.device) for shape in shapes))
     return o, lse, _pack(indices)
 
