@@ -28,6 +28,7 @@ from bench.ops_select_gpu import make_inputs
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops.select import kernels as select_triton
 
+_WALK = "    def _walk("
 _TOPN = "            j = jt * BS + jb\n"
 _LOOP = "        for jt in range(0, n_tiles):\n"
 _TAIL = "        if LISTS:\n            # The n best of the lists"
@@ -39,14 +40,15 @@ _STORE_P = ("        acc = tl.sum(tl.reshape(accp, [BS, RP * NC]), axis=1)\n"
 
 def variant_source(kind: str) -> str:
     """The kernels module's source with the tile loop's body in _walk (the module's last function)
-    cut from a marker to its end."""
+    cut from a marker (the first after _walk's def) to its end."""
     src = Path(select_triton.__file__).read_text()
     if kind == "whole":
         return src
-    loop_end = src.index(_TAIL)  # the tile loop ends here (the post-loop lists block follows)
-    start = _TOPN if kind == "notopk" else "            # Group sum"
-    body = src[: src.index(start)] + ("            acc += imp\n\n" if kind == "notopk" else "            accp += p\n\n")
-    assert src.index(start) < loop_end
+    walk = src.index(_WALK)  # the markers are searched from here: helpers before _walk share some
+    loop_end = src.index(_TAIL, walk)  # the tile loop ends here (the post-loop lists block follows)
+    start = src.index(_TOPN if kind == "notopk" else "            # Group sum", walk)
+    body = src[:start] + ("            acc += imp\n\n" if kind == "notopk" else "            accp += p\n\n")
+    assert start < loop_end
     if kind == "notopk":
         body = body.replace(_LOOP, "        acc = tl.zeros([BT, BS], tl.float32)\n" + _LOOP)
         return body + _STORE
