@@ -32,7 +32,7 @@ from nsa_flex.attention import IMPLS, NSAAttention, resolve_impl
 from nsa_flex.config import NSAConfig
 from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.projections import fused_linear
-from nsa_flex.validate import check_compiled
+from nsa_flex.validate import check_compiled, is_byte_count
 
 ATTENTIONS = ("nsa", "dense")
 MODEL_IMPLS = IMPLS
@@ -89,8 +89,7 @@ class NSAModelConfig:
             raise TypeError(f"NSAModelConfig.nsa must be an NSAConfig, got {type(self.nsa).__name__}")
         if self.nsa.head_dim % 2:
             raise ValueError(f"NSAModelConfig.nsa.head_dim={self.nsa.head_dim}: RoPE needs an even head dim")
-        if (not isinstance(self.sel_partial_bytes, int) or isinstance(self.sel_partial_bytes, bool)
-                or self.sel_partial_bytes < 1):
+        if not is_byte_count(self.sel_partial_bytes):
             raise ValueError(f"NSAModelConfig.sel_partial_bytes={self.sel_partial_bytes!r}: must be a positive "
                              "number of bytes")
         if self.rope_theta <= 0 or self.norm_eps <= 0:

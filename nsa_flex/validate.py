@@ -31,6 +31,12 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+def is_byte_count(value, zero: bool = False) -> bool:
+    """Whether value is a number of bytes: an int (not a bool) >= 1, or >= 0 with zero (where 0 stands
+    for a default)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
+
+
 def check_compiled(compiled) -> None:
     """`compiled` of nsa_attention / NSAAttention: a bool (see nsa_flex.flex.compiled)."""
     if not isinstance(compiled, bool):

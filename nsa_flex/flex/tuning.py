@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nsa_flex.validate import is_byte_count
+
 _INSTALLED = False
 
 
@@ -121,9 +123,7 @@ class FlexTiles:
             raise ValueError(f"FlexTiles.max_chunks={self.max_chunks!r}: must be a power of two >= 1")
         if self.min_chunk_rows < 1:
             raise ValueError(f"FlexTiles.min_chunk_rows={self.min_chunk_rows!r}: must be >= 1")
-        if self.sel_partial_bytes is not None and (not isinstance(self.sel_partial_bytes, int)
-                                                   or isinstance(self.sel_partial_bytes, bool)
-                                                   or self.sel_partial_bytes < 1):
+        if self.sel_partial_bytes is not None and not is_byte_count(self.sel_partial_bytes):
             raise ValueError(f"FlexTiles.sel_partial_bytes={self.sel_partial_bytes!r}: must be None (the op's "
                              "default) or a positive number of bytes")
         if self.initial_copy_tokens < 1:

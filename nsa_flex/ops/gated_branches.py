@@ -49,6 +49,7 @@ from nsa_flex.ops.selected_attention import _unfolded
 from nsa_flex.ops.selected_attention import launch as selected_launch
 from nsa_flex.ops.selected_attention import twin as selected_twin
 from nsa_flex.ops.triton_utils import dense, quiet_without_triton
+from nsa_flex.validate import is_byte_count
 
 if TYPE_CHECKING:
     from nsa_flex.flex.compressed_groups import Grouped
@@ -91,7 +92,7 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
             raise ValueError(f"gated_branches: grouped queries {tuple(g.q.shape)} do not match cmp_rows "
                              f"{tuple(cmp_rows.shape)} ([B*Hkv, rows / Tc, Tc, Dk])")
         cmp = (g.q, g.k, g.v, g.lse, g.seed, g.offset, g.cudnn)
-    if not isinstance(partial_bytes, int) or isinstance(partial_bytes, bool) or partial_bytes < 0:
+    if not is_byte_count(partial_bytes, zero=True):
         raise ValueError(f"gated_branches: partial_bytes={partial_bytes!r}; allowed: a byte count > 0, or 0 for the "
                          "selected op's default")
     o, o_sel, _, o_win, *_ = torch.ops.nsa_flex.gated_branches(q, k, v, block_indices, cmp_rows, cmp_head, gates, G,
@@ -161,8 +162,8 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
                                sel=(lse_sel, delta_sel, gate_sel, sel_block))
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
-                                          _sel_tiles(partial_bytes), q_heads=q_heads, gate=gate_sel, delta=delta_sel, skip_local=True, acc=grads,
-                                          index=selected_launch.SavedIndex(*index))
+                                          _sel_tiles(partial_bytes), q_heads=q_heads, gate=gate_sel, delta=delta_sel,
+                                          skip_local=True, acc=grads, index=selected_launch.SavedIndex(*index))
     return dq, dk, dv, d_cmp, d_gates, *cmp_grads
 
 
