@@ -474,27 +474,6 @@ def test_kernels_interpreted_token_ranges(T, R, dtype, cu, poisoned):
 
 
 @interpreter
-def test_block_sum_groups_of_items_equal_one_at_a_time(monkeypatch):
-    """The block sum loads several items' partials at a time; the sums keep item order, so any
-    group size (a remainder group's missing items add exact zeros) gives dK/dV bit for bit."""
-    cfg = make_config(2, 32, 24, 4, 16)
-    T = 130
-    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=5)
-    bi = random_selection(1, 2, T, 4, 16, seed=5)
-    # One chunk a backward item, one range: block 0 (listed by every token) gets many items.
-    tiles = dict(bwd_chunks=1)
-    got = {}
-    for items in (1, 2, 4):
-        monkeypatch.setattr(launch, "_block_sum_items", lambda values, items=items: items)
-        got[items] = run_kernels(q, k, v, do, bi, cfg, tiles=tiles)[2:]
-    _, work = launch.index_and_items(bi, 16, None, launch.launch_config(2, 32, 24, torch.float32)["bwd_BT"], 0, T)
-    assert int(work.n_items.max()) > 4 and int(work.n_items.max()) % 2  # groups and a remainder
-    for items in (2, 4):
-        for name, a, b in zip(("dk", "dv"), got[items], got[1]):
-            assert torch.equal(a, b), (items, name)
-
-
-@interpreter
 def test_kernels_interpreted_token_ranges_with_later_blocks(poisoned):
     """A given selection may list blocks after a token's own (masked whole, exact zeros): with
     token ranges run last first, such a block is already final when an earlier range lists it,

@@ -251,14 +251,12 @@ if HAS_TRITON:
         dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
         blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False, ITEMS: tl.constexpr = 1,
+        SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
     ):
         """dK, dV of one (batch, kv head, virtual block) for the token range [T0, T1): its items'
-        partials summed ITEMS at a time in item order (each group's loads issued together: block 0,
-        which every token reads, has T' / span items, and one load at a time made its sum a chain of
-        dependent loads), then written by _finish_block. A block with one item was finished by that
-        item's program (_bwd_kernel, or gluon_kernels' twin) and is skipped; one with none still
-        gets its zeros or its sums carried."""
+        partials summed in item order, then written by _finish_block. A block with one item was
+        finished by that item's program (_bwd_kernel, or gluon_kernels' twin) and is skipped; one with
+        none still gets its zeros or its sums carried."""
         row = tl.program_id(0)
         count = tl.load(n_items_ptr + row)
         if count != 1:
@@ -274,13 +272,10 @@ if HAS_TRITON:
             dv = tl.arange(0, DVP)
             dk_acc = tl.zeros([BL, DKP], tl.float32)
             dv_acc = tl.zeros([BL, DVP], tl.float32)
-            for i in range(0, count, ITEMS):
-                # Unrolled: the group's loads do not wait on each other's adds (a masked item adds 0).
-                for j in tl.static_range(ITEMS):
-                    w = first + i + j
-                    ok = i + j < count
-                    dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], mask=ok, other=0.0)
-                    dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], mask=ok, other=0.0)
+            for i in range(count):
+                w = first + i
+                dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
+                dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
             _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks,
                           tl.load(blk_end_ptr + vb), T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV,
                           DVP, SUMS, ADD, ACC)

@@ -468,9 +468,8 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             # The blocks with no item or several.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
                 dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, range_index.blk_start,
-                range_index.blk_end, Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk,
-                DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], **finish,
-                ITEMS=_block_sum_items(consts["BL"] * (consts["DKP"] + consts["DVP"])), num_warps=8)
+                range_index.blk_end, Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
+                DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
         _slot_sum(dqp, None, range_index, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
@@ -480,12 +479,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         # the slot sum reaches them.
         dq[:, :, q.shape[2] - tail:].zero_()
     return dq, dk, dv
-
-
-def _block_sum_items(item_values: int) -> int:
-    """Partials the block sum loads at once (a power of two): as many as keep a load within 32768
-    fp32 values, 128 registers a thread of its 8 warps (4 at Dk = Dv = 64, 2 at 128, 1 wider)."""
-    return 1 << max(0, (32768 // item_values).bit_length() - 1)
 
 
 def _delta(do: Tensor, o: Tensor) -> Tensor:
