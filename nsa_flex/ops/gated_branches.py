@@ -167,9 +167,9 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
     return dq, dk, dv, d_cmp, d_gates, *cmp_grads
 
 
-def _sel_tiles(partial_bytes: int) -> dict | None:
-    """The selected op's tiles: its defaults, with partial_bytes > 0 as its partial budget."""
-    return {"partial_bytes": partial_bytes} if partial_bytes > 0 else None
+def _sel_tiles(partial_bytes: int) -> dict:
+    """The selected op's tiles: its defaults, with partial_bytes as its partial budget (0: its own)."""
+    return {"partial_bytes": partial_bytes}
 
 
 def _cmp_apart(cmp_rows: Tensor, q_cmp) -> bool:
