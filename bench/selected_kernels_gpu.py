@@ -6,7 +6,8 @@
 For each shape B:T:Hq:Hkv:D (bf16, NSA-shaped random selections from nsa_flex.bench.selected) and
 each variant (NAME=KEY:INT,KEY:INT over launch_config's tiles; "-" for none), run twice in turn:
 the CUDA time per call of each kernel of launch.forward and of launch.backward (three calls each
-under the profiler), the forward's median from triton.testing.do_bench, and the largest
+under the profiler), the forward's median from triton.testing.do_bench, the memory the backward
+allocates beyond what is held before it (its results included), and the largest
 difference of o, dq, dk and dv from the first variant's. Kernel sums are
 steadier between calls than wall times (bench.selected_tiles_gpu times the whole calls).
 """
@@ -61,7 +62,13 @@ def main() -> None:
                         for key, a, b in zip(("o", "dq", "dk", "dv"), outs, first)}
                 fwd = lambda: launch.forward(q, k, v, bi, None, scale, cfg.sel_block, tiles)  # noqa: E731
                 bwd = lambda: launch.backward(do, q, k, v, o, lse, bi, None, scale, cfg.sel_block, tiles)  # noqa: E731
-                add({"shape": shape, "variant": name,
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                bwd()
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                add({"shape": shape, "variant": name, "backward_peak_over_inputs_mib": peak,
                      "tiles": {**launch.launch_config(Hq // Hkv, D, D, q.dtype, B * T), **tiles}, "round": rep,
                      "max_diff_from_first": diff, "forward_kernels_ms": kernel_ms(fwd),
                      "backward_kernels_ms": kernel_ms(bwd),

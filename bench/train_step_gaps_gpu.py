@@ -28,9 +28,9 @@ FIRST = 4
 GAP_BINS_US = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
 
 
-def gaps_of(events: list[dict]) -> dict:
+def gaps_of(events: list[dict], top: int = 40) -> dict:
     """Busy and idle ms of the GPU over a chrome trace's events, the gaps by size, the largest 25,
-    and the 40 kernel names that took the most time (ms summed, launches)."""
+    and the `top` kernel names that took the most time (ms summed, launches)."""
     device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
@@ -54,14 +54,22 @@ def gaps_of(events: list[dict]) -> dict:
         entry = by_name.setdefault(e["name"][:90], [0.0, 0])
         entry[0] += e["dur"] / 1e3
         entry[1] += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
             "gaps": bins, "largest": largest,
             "by_kernel": [{"name": name, "ms": ms, "launches": count} for name, (ms, count) in top]}
 
 
-def profile_steps(attention: str, T: int, B: int) -> dict:
-    """One row: steps FIRST and FIRST + 1 of a fresh run under the profiler, and every step's ms."""
+def kernel_sequence(events: list[dict]) -> list[list]:
+    """Every device event in order: [name, start us from the first, duration us]."""
+    device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
+    return [[e["name"][:80], round(e["ts"] - kernels[0]["ts"], 2), round(e["dur"], 2)] for e in kernels]
+
+
+def profile_steps(attention: str, T: int, B: int, top: int = 40, sequence: Path | None = None) -> dict:
+    """One row: steps FIRST and FIRST + 1 of a fresh run under the profiler, and every step's ms;
+    with `sequence`, every device event of those steps in order, written there as JSON."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA])
 
@@ -75,7 +83,10 @@ def profile_steps(attention: str, T: int, B: int) -> dict:
     result = train(config, hooks=TrainHooks(before_step=before_step))
     trace = work / "trace.json"
     profiler.export_chrome_trace(str(trace))
-    row = gaps_of(json.loads(trace.read_text())["traceEvents"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    row = gaps_of(events, top)
+    if sequence is not None:
+        sequence.write_text(json.dumps({"attention": attention, "T": T, "B": B, "events": kernel_sequence(events)}))
     return {"attention": attention, "T": T, "B": B, "step_ms": [s * 1e3 for s in result.step_times_s],
             "profiled_steps": 2, **row}
 
@@ -87,11 +98,14 @@ def main() -> None:
     p.add_argument("-T", type=int, default=65536)
     p.add_argument("-B", type=int, default=1)
     p.add_argument("--commit", default="")
+    p.add_argument("--top", type=int, default=40, help="kernel names kept, by time")
+    p.add_argument("--sequence", type=Path, help="also write every device event in order here (NAME.json per attention)")
     args = p.parse_args()
     record = {"header": {**header(args.commit), "what": __doc__.splitlines()[0]}, "rows": []}
     save = json_saver(args.out, record)
     for attention in args.attentions:
-        row = profile_steps(attention, args.T, args.B)
+        sequence = args.sequence.with_name(f"{args.sequence.stem}_{attention}.json") if args.sequence else None
+        row = profile_steps(attention, args.T, args.B, args.top, sequence)
         record["rows"].append(row)
         save()
         print(f"{attention} T={args.T} B={args.B}: idle {row['idle_ms'] / 2:.2f} ms a step "
