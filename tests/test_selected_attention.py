@@ -519,45 +519,6 @@ def test_backward_from_the_saved_index_equals_rebuilding_it(R, skip_local, folde
         assert torch.equal(a, b), name
 
 
-@interpreter
-@pytest.mark.parametrize("G, T, dtype, tiles, cu, folded_acc", [
-    (2, 130, torch.float32, dict(bwd_BT=2, bwd_chunks=3), None, False),
-    (2, 130, torch.float32, dict(range_tokens=50, bwd_chunks=2), None, False),
-    (3, 90, torch.bfloat16, dict(bwd_chunks=2), None, False),
-    (2, 130, torch.float32, dict(bwd_chunks=1), [0, 40, 41, 41, 130], False),
-    (2, 130, torch.float32, dict(range_tokens=64, bwd_chunks=2), None, True),
-], ids=["split-items", "3-ranges", "G3-bf16", "documents", "2-ranges-folded-acc-without-local"])
-def test_ordered_dq_sums(G, T, dtype, tiles, cu, folded_acc, poisoned):
-    """dq_ordered: each slot's dQ added in the order of its token's blocks to one fp32 sum per row,
-    no partial per slot. The oracle's gradients; dK / dV bit for bit the partials' path's (the
-    same code), dQ within the fp32 sums' rounding of it (the partials are rounded to the inputs'
-    dtype first). Items split across programs (block 0, read by every token, in many), ranges
-    run last first, packed documents, padded groups, a folded q with the local slots left out
-    and the sums added to gradients already held."""
-    cfg = make_config(G, 32, 24, 4, 16)
-    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    q, k, v, do = make_inputs(1, T, cfg, dtype, seed=T + G)
-    bi = random_selection(1, 2, T, 4, 16, seed=G, cu_seqlens=cu).int()
-    scale = 32 ** -0.5
-    if not folded_acc:
-        got = run_kernels(q, k, v, do, bi, cfg, cu, tiles={**tiles, "dq_ordered": 1})
-        check(got, q, k, v, do, bi, cfg, cu)
-        want = run_kernels(q, k, v, do, bi, cfg, cu, tiles=tiles)
-    else:
-        qf = fold(q, cfg.n_kv_heads, rows=T * G + 3)
-        o, lse = launch.forward(qf, k, v, bi, cu, scale, 16, tiles, cfg.n_heads)
-        held = [torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(dtype) for x in (qf, k, v)]
-
-        def backward(extra):
-            acc = [x.clone() for x in held]
-            return launch.backward(do, qf, k, v, o, lse, bi, cu, scale, 16, {**tiles, **extra}, cfg.n_heads,
-                                   skip_local=True, acc=acc)
-        got, want = (o, *backward({"dq_ordered": 1})), (o, *backward({}))
-    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got[1], want[1], rtol=4 * eps, atol=4 * eps * want[1].abs().max().item())
-
-
 def test_backward_refuses_a_saved_index_of_other_ranges():
     cfg = make_config(2, 32, 24, 4, 16)
     q, k, v, do = make_inputs(1, 130, cfg, torch.float32)
@@ -768,23 +729,6 @@ def test_kernels_gpu_deterministic():
     bi = random_selection(1, 2, 4096, 16, 64, seed=5).cuda()
     first, second = (run_op(q, k, v, do, bi, cfg, "auto") for _ in range(2))
     for a, b in zip(first, second):
-        assert torch.equal(a, b)
-
-
-@gpu
-@pytest.mark.parametrize("T, G, D, tiles", [(4096, 4, 64, {}), (3001, 1, 128, {}), (4096, 16, 128, {"range_tokens": 1024}),
-                                            (2048, 3, 64, {"bwd_chunks": 1})],
-                         ids=["G4-D64", "G1-D128-odd", "G16-4-ranges", "G3-one-chunk-items"])
-def test_ordered_dq_sums_gpu(T, G, D, tiles):
-    """dq_ordered on the GPU, where programs run at once and wait for each other's turns: the
-    oracle's gradients, and two runs equal bit for bit (the sums' order is the blocks')."""
-    cfg = make_config(G, D, D, 16, 64)
-    q, k, v, do = make_inputs(1, T, cfg, torch.bfloat16, seed=T + G, device="cuda")
-    bi = random_selection(1, 2, T, 16, 64, seed=G).int().cuda()
-    tiles = {**tiles, "dq_ordered": 1}
-    first = run_kernels(q, k, v, do, bi, cfg, tiles=tiles)
-    check(first, q, k, v, do, bi, cfg)
-    for a, b in zip(first, run_kernels(q, k, v, do, bi, cfg, tiles=tiles)):
         assert torch.equal(a, b)
 
 

@@ -97,22 +97,18 @@ if HAS_GLUON:
     def _bwd_gluon_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, n_items_ptr,
-        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, order_ptr, turn_ptr, gid_ptr, Hkv, Nv, T0, T1, scale,
+        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
-        sg_b, sg_h, sg_t, st_b, st_h,
         N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr,
         DK: gl.constexpr, DKP: gl.constexpr, DV: gl.constexpr, DVP: gl.constexpr,
         F32_DOT: gl.constexpr, IEEE: gl.constexpr, SUMS: gl.constexpr, ADD: gl.constexpr,
-        ACC: gl.constexpr = False, GATED: gl.constexpr = False, ORDERED: gl.constexpr = False,
-        NP: gl.constexpr = 1,
+        ACC: gl.constexpr = False, GATED: gl.constexpr = False,
     ):
         """Arguments and results as kernels._bwd_kernel's (launched with BT * G' / 16 warps; DK =
         DKP = DV = DVP; F32_DOT and IEEE are False where it applies): dQ partials [B,T',Hq,n,D] of the
         item's tokens; the item's dK/dV, finished here when it is its block's only item
-        (_finish_block), else an fp32 partial [W, BL, D] for _block_sum_kernel. ORDERED (dQ added in
-        turn, no partials) is the Triton kernel's only."""
-        gl.static_assert(not ORDERED, "ORDERED dQ sums run on the Triton kernel")
+        (_finish_block), else an fp32 partial [W, BL, D] for _block_sum_kernel."""
         LOG2E: gl.constexpr = 1.4426950408889634
         M: gl.constexpr = BT * GP
         D: gl.constexpr = DKP

@@ -129,15 +129,13 @@ if HAS_TRITON:
     def _bwd_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, gate_ptr, dqp_ptr, dkp_ptr, dvp_ptr, entries_ptr,
         item_blk_ptr, item_start_ptr, item_end_ptr, blk_start_ptr, blk_end_ptr, n_items_ptr,
-        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, order_ptr, turn_ptr, gid_ptr, Hkv, Nv, T0, T1, scale,
+        dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
-        sg_b, sg_h, sg_t, st_b, st_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr, SUMS: tl.constexpr, ADD: tl.constexpr,
-        ACC: tl.constexpr = False, GATED: tl.constexpr = False, ORDERED: tl.constexpr = False,
-        NP: tl.constexpr = 1,
+        ACC: tl.constexpr = False, GATED: tl.constexpr = False,
     ):
         """dQ partials [B,T',Hq,n,Dk] of the item's tokens; the item's dK/dV.
 
@@ -149,18 +147,9 @@ if HAS_TRITON:
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
         GATED: dO is the gated sum's output gradient and the branch's is g_sel dO, with g_sel per row
         in gate [B, Hq, T] fp32 (lse's layout): P' = g P stands for it, nothing written.
-
-        ORDERED: no dQ partials. dqp is one fp32 sum per (token, query head) (sdq_n = 0), and each
-        (token, slot) adds its dQ there in the order of the token's blocks, so the sums are
-        deterministic without a partial per slot: program pid runs item order[pid] (the items in
-        block order, so that a token's earlier blocks are in programs launched before), waits
-        until turn [B, Hkv, T'] (zeros at launch) counts the token's slots of lower blocks in gid
-        [B, Hkv, T', n] (the index's gid_bhtn: -1 where no block is read), adds, and counts itself.
         """
         LOG2E: tl.constexpr = 1.4426950408889634
         pid = tl.program_id(0)
-        if ORDERED:
-            pid = tl.load(order_ptr + pid)
         valid, b, h, vb = _item(tl.load(item_blk_ptr + pid), Hkv, Nv)
         start = tl.load(item_start_ptr + pid)
         end = tl.where(valid, tl.load(item_end_ptr + pid), start)
@@ -202,17 +191,8 @@ if HAS_TRITON:
                 dk_acc += dot(tl.trans(ds), q_md, F32_DOT, IEEE)
                 dq = dot(ds, k_ld, F32_DOT, IEEE) * sc
                 row = b * sdq_b + t * sdq_t + hq * sdq_h + slot * sdq_n
-                dq_ok = row_ok[:, None] & (dk[None, :] < DK)
-                if ORDERED:
-                    # The row's token's slots of lower blocks: its turn (gid -1: a slot reads nothing).
-                    nn = tl.arange(0, NP)
-                    gids = tl.load(gid_ptr + b * sg_b + h * sg_h + t[:, None] * sg_t + nn[None, :],
-                                   mask=row_ok[:, None] & (nn[None, :] < N), other=-1)
-                    before = tl.sum(((gids >= 0) & (gids < vb)).to(tl.int32), axis=1)
-                    _add_in_turn(dqp_ptr + row[:, None] + dk[None, :], dq, dq_ok,
-                                 turn_ptr + b * st_b + h * st_h + t, before, row_ok, hq - h * G == 0)
-                else:
-                    tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty), mask=dq_ok)
+                tl.store(dqp_ptr + row[:, None] + dk[None, :], dq.to(dqp_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & (dk[None, :] < DK))
             dk_acc = dk_acc * sc
             if tl.load(n_items_ptr + tl.maximum(tl.load(item_blk_ptr + w), 0)) == 1:
                 _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
@@ -221,24 +201,6 @@ if HAS_TRITON:
                 r = tl.arange(0, BL)
                 tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc)
                 tl.store(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :], dv_acc)
-
-    @triton.jit
-    def _add_in_turn(at, x, x_ok, turn, before, row_ok, counts):
-        """fp32 sums at += x, row by row in the order of each row's token's blocks: wait until the
-        token's counter `turn` reaches `before` (its slots of lower blocks), add, then count this
-        one (rows with `counts`: one per token). Programs run in block order, so the ones waited
-        for were launched before and wait only for earlier ones: the earliest unfinished program
-        never waits."""
-        # Only a scalar carried through the loop (a carried tensor crashes Triton 3.6's layout pass).
-        waiting = 1
-        while waiting > 0:
-            done = tl.atomic_add(turn, 0, mask=row_ok, sem="acquire", scope="gpu")
-            waiting = tl.max(tl.where(row_ok, before - done, 0), axis=0)
-        # At L2 (.cg): a sum another SM wrote may sit stale in this SM's L1.
-        tl.store(at, tl.load(at, mask=x_ok, other=0.0, cache_modifier=".cg") + x, mask=x_ok)
-        # Every thread's adds before the count that lets the token's next block in.
-        tl.debug_barrier()
-        tl.atomic_add(turn, 1, mask=row_ok & counts, sem="release", scope="gpu")
 
     @triton.jit
     def _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,

@@ -23,7 +23,7 @@ if kernels.HAS_TRITON:
     from torch.library import wrap_triton
 
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
-             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "partial_bytes", "fwd_gluon", "bwd_gluon", "dq_ordered")
+             "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "partial_bytes", "fwd_gluon", "bwd_gluon")
 
 # The partial buffers (o in the forward, dQ in the backward: n partials per token and query
 # head) of one token range stay under this many bytes; longer sequences run range by range.
@@ -98,9 +98,6 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     overlap the dots, 2.99 / 4.93 against 3.59 / 6.16 ms at T=64k, G=4 on an H100, and 1.41 /
     1.86 against 1.58 / 2.00 at seeds-125m's heads (D=64; the gated backward 2.09 against 2.06),
     bit for bit the same results (docs/decisions.md); 0: the Triton kernels everywhere.
-    dq_ordered 1: the backward adds each slot's dQ to one fp32 sum per (token, query head) in the
-    order of the token's blocks (kernels._bwd_kernel's ORDERED; the Triton kernel) instead of
-    writing a partial per slot.
     """
     GP = next_pow2(G)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -113,7 +110,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
             "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0,
-            "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1, "dq_ordered": 0}
+            "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -205,7 +202,7 @@ def _pass_kernel(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict):
     the Gluon kernel (its layouts are written for 4 / 8 warps; it takes the Triton kernel's
     arguments) through the opaque op, which Inductor cannot replace; else the Triton kernel."""
     fwd = pass_ == "fwd"
-    if (fwd or not cfg["dq_ordered"]) and _gluon_runs(cfg, pass_, q, v, consts):
+    if _gluon_runs(cfg, pass_, q, v, consts):
         kernel = gluon_kernels._fwd_gluon_kernel if fwd else gluon_kernels._bwd_gluon_kernel
         warps = 4 if fwd else cfg["bwd_BT"] * consts["GP"] // 16
         return kernel, dict(opaque=True, num_warps=warps, maxnreg=cfg[f"{pass_}_maxnreg"])
@@ -439,7 +436,6 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if sums else None
     dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if sums else None
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
-    ordered = bool(cfg["dq_ordered"])
     for i, (t0, t1) in enumerate(reversed(ranges)):
         if index is None:
             selection = _range_of(block_indices, t0, t1)
@@ -450,16 +446,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             range_index = _unpack(index, len(ranges) - 1 - i, t0, t1)
             items = work_items(range_index, span, t1 - t0, n)
         W, Nv = items.blk.shape[0], range_index.blk_start.shape[0]
-        if ordered:
-            # One fp32 sum per (token, query head), added to slot by slot in block order.
-            dqp = torch.zeros(B, t1 - t0, Hq, 1, Dk, dtype=torch.float32, device=q.device)
-            turn = torch.zeros(B, Hkv, t1 - t0, dtype=torch.int32, device=q.device)
-            order = _block_order(items, B * Hkv * Nv)
-            gid = range_index.gid_bhtn
-        else:
-            dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
-            # ORDERED's arguments, never read: int32 tensors no other argument aliases.
-            turn, order, gid = items.start, items.end, range_index.gid_bhtn
+        dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
         P = _partial_items(B * Hkv, t1 - t0, n, span, Nv)
         dkp = torch.empty(P, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(P, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
@@ -472,12 +459,11 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             launch(kernel, (W,),
                    q, k, v, do, lse, delta, delta if gate is None else gate, dqp, dkp, dvp, range_index.entries,
                    items.blk, items.start, items.end, range_index.blk_start, range_index.blk_end, items.n_items,
-                   dk, dv, sum_k, sum_v, order, turn, gid, Hkv, Nv, t0, t1, scale, *group_strides(q, G, folded),
+                   dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *group_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
-                   *dqp.stride()[:3], 0 if ordered else dqp.stride(3), *dk.stride()[:3], *dv.stride()[:3],
-                   *gid.stride()[:3], *(turn.stride()[:2] if ordered else (0, 0)),
-                   writes=(dqp, dkp, dvp, dk, dv) + ((dk_sum, dv_sum) if sums else ()) + ((turn, ) if ordered else ()),
-                   GATED=gate is not None, ORDERED=ordered, NP=next_pow2(n), **finish, **consts, **how)
+                   *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
+                   writes=(dqp, dkp, dvp, dk, dv) + ((dk_sum, dv_sum) if sums else ()),
+                   GATED=gate is not None, **finish, **consts, **how)
         if B * Hkv * Nv > 0:
             # The blocks with no item or several.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
@@ -486,24 +472,13 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                 DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
-        # Ordered, the sums are written out as one slot that every token reads.
-        slots = range_index._replace(gid_bhtn=torch.zeros(B, Hkv, t1 - t0, 1, dtype=torch.int32, device=q.device)) \
-            if ordered else range_index
-        _slot_sum(dqp, None, slots, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
+        _slot_sum(dqp, None, range_index, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
     tail = q.shape[2] % G if folded else 0
     if tail and acc is None:
         # A folded q's last rows past its last whole token (R not a multiple of G): no token of
         # the slot sum reaches them.
         dq[:, :, q.shape[2] - tail:].zero_()
     return dq, dk, dv
-
-
-def _block_order(items: WorkList, rows: int) -> Tensor:
-    """[W] int32: the work items in row (block) order, surplus items last. The work list puts rows
-    with several items first; the ordered dQ sums need a token's earlier blocks launched first."""
-    W = items.blk.shape[0]
-    w = torch.arange(W, device=items.blk.device)
-    return torch.argsort(torch.where(items.blk >= 0, items.blk.long(), rows) * W + w).to(torch.int32)
 
 
 def _delta(do: Tensor, o: Tensor) -> Tensor:
