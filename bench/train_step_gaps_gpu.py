@@ -28,11 +28,16 @@ FIRST = 4
 GAP_BINS_US = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
 
 
+def device_events(events: list[dict]) -> list[dict]:
+    """A chrome trace's kernels, copies and memsets, in start order."""
+    device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
+
+
 def gaps_of(events: list[dict], top: int = 40) -> dict:
     """Busy and idle ms of the GPU over a chrome trace's events, the gaps by size, the largest 25,
     and the `top` kernel names that took the most time (ms summed, launches)."""
-    device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
+    kernels = device_events(events)
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
     busy, end, last, gaps = 0.0, None, None, []
     for e in kernels:
@@ -54,16 +59,15 @@ def gaps_of(events: list[dict], top: int = 40) -> dict:
         entry = by_name.setdefault(e["name"][:90], [0.0, 0])
         entry[0] += e["dur"] / 1e3
         entry[1] += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
             "gaps": bins, "largest": largest,
-            "by_kernel": [{"name": name, "ms": ms, "launches": count} for name, (ms, count) in top]}
+            "by_kernel": [{"name": name, "ms": ms, "launches": count} for name, (ms, count) in ranked]}
 
 
 def kernel_sequence(events: list[dict]) -> list[list]:
     """Every device event in order: [name, start us from the first, duration us]."""
-    device_cats = ("kernel", "gpu_memcpy", "gpu_memset")
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device_cats), key=lambda e: e["ts"])
+    kernels = device_events(events)
     return [[e["name"][:80], round(e["ts"] - kernels[0]["ts"], 2), round(e["dur"], 2)] for e in kernels]
 
 

@@ -364,8 +364,9 @@ def test_op_ab_variants_parse_and_refuse_unknown_keys():
 
 def test_step_gaps_merge_kernel_intervals():
     """bench.train_step_gaps_gpu.gaps_of: overlapping kernels count once as busy, the idle gaps lie
-    between the merged intervals, and a gap lists the host ops that ran in it."""
-    from bench.train_step_gaps_gpu import gaps_of
+    between the merged intervals, and a gap lists the host ops that ran in it; the kernel names
+    kept by time, and the events in order (kernel_sequence)."""
+    from bench.train_step_gaps_gpu import gaps_of, kernel_sequence
 
     def kernel(name, ts, dur, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -383,3 +384,6 @@ def test_step_gaps_merge_kernel_intervals():
     # Kernel time by name: both launches of "a" summed, the largest first.
     assert row["by_kernel"][0] == {"name": "a", "ms": pytest.approx(0.05), "launches": 2}
     assert [k["name"] for k in row["by_kernel"]] == ["a", "d", "b", "c"]
+    assert [k["name"] for k in gaps_of(events, top=2)["by_kernel"]] == ["a", "d"]
+    # Every device event in start order, times from the first; host ops left out.
+    assert kernel_sequence(events) == [["a", 0, 10], ["b", 5, 10], ["c", 18, 2], ["d", 1019, 30], ["a", 1050, 40]]
