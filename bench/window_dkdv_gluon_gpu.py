@@ -5,8 +5,8 @@
 
 window_op.backward in the gated node's mode (dO unfolded, the window's gate and delta per row,
 with and without the selected branch's local-slot term) with launch_config's kv_gluon and
-dq_gluon: both Triton (triton), the Gluon dK/dV kernel (gluon: kv_gluon 1) and both Gluon
-(gluon_dq: kv_gluon and dq_gluon 1), each against the first; at --dim (Dk = Dv, 128 by default)
+dq_gluon: both Triton (triton), the Gluon dK/dV kernel (gluon: kv_gluon 1; gluon_rows64: with
+64-row tiles and 4 warps) and both Gluon (gluon_dq: kv_gluon and dq_gluon 1), each against the first; at --dim (Dk = Dv, 128 by default)
 and T:Hkv:G shapes (SHAPES by default), the Triton kernels with launch_config(dim, dim)'s tiles.
 Inputs: q, k, v random bf16; o, lse from window_op.forward with the local partial; the gate
 uniform; delta = rowsum(dO o); the selected rows from lse plus 0.3 U(0, 1), 0.7 delta and U(0, 1).
@@ -28,6 +28,8 @@ from bench.common import header, row_recorder
 SHAPES = [(65536, 4, 4), (32768, 4, 4), (65536, 4, 16), (8192, 4, 1), (3001, 2, 2), (1000, 2, 8), (777, 3, 4),
           (130, 1, 4)]
 """(T, Hkv, G) at W = 512, l' = 64."""
+VARIANTS = [("triton", 0, 0, 128), ("gluon", 1, 0, 128), ("gluon_rows64", 1, 0, 64), ("gluon_dq", 1, 1, 128)]
+"""(name, kv_gluon, dq_gluon, kv_gluon_BM): launch_config's keys of each variant."""
 
 
 def _inputs(T: int, Hkv: int, G: int, D: int):
@@ -67,13 +69,13 @@ def main() -> None:
     for T, Hkv, G in shapes:
         torch.manual_seed(0)
         base, kw, sel_rows = _inputs(T, Hkv, G, args.dim)
-        cfgs = {name: {**W.launch_config(args.dim, args.dim), "kv_gluon": kv, "dq_gluon": dq}
-                for name, kv, dq in (("triton", 0, 0), ("gluon", 1, 0), ("gluon_dq", 1, 1))}
+        cfgs = {name: {**W.launch_config(args.dim, args.dim), "kv_gluon": kv, "dq_gluon": dq, "kv_gluon_BM": bm}
+                for name, kv, dq, bm in VARIANTS}
         row = {"T": T, "Hkv": Hkv, "G": G, "D": args.dim}
         for tag, sel in (("sel", sel_rows), ("nosel", None)):
             run = {name: (lambda c=c: W.backward(*base, c, **kw, sel=sel)) for name, c in cfgs.items()}
             want = run["triton"]()
-            for variant in ("gluon", "gluon_dq"):
+            for variant in list(cfgs)[1:]:
                 for name, a, b in zip(("dq", "dk", "dv"), want, run[variant]()):
                     a, b = a.float(), b.float()
                     row[f"{tag}_{variant}_{name}_max_diff"] = (a - b).abs().max().item()

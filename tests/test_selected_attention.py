@@ -230,16 +230,17 @@ def test_unknown_tile_keys_are_refused():
 
 
 def test_long_sequence_settings_from_32k_tokens():
-    """The forward's cap (a launch through nsa_flex::capped_launch) at 16-bit Dk = Dv = 128 only,
-    from LONG_FROM_TOKENS tokens (B * T) on, never on the backward; 64-chunk backward items there,
-    16 below at 16-bit D=128, 32 otherwise; 5 backward stages at 16-bit D <= 64."""
+    """The forward's cap (a launch through nsa_flex::capped_launch) at 16-bit only, 168 at Dk = Dv =
+    128 and 128 at D = 64, from LONG_FROM_TOKENS tokens (B * T) on, never on the backward; 64-chunk
+    backward items there, 16 below at 16-bit D=128, 32 otherwise; 5 backward stages at 16-bit D <= 64."""
     caps = {(G, D, dtype, tokens): launch.launch_config(G, D, D, dtype, tokens)
             for G in (1, 4, 16) for D in (64, 128) for dtype in (torch.bfloat16, torch.float16, torch.float32)
             for tokens in (0, 16384, 32767, 32768, 1 << 20)}
     capped = {key for key, cfg in caps.items() if cfg["fwd_maxnreg"]}
-    assert capped == {(G, 128, dtype, tokens) for G in (1, 4, 16) for dtype in (torch.bfloat16, torch.float16)
-                      for tokens in (32768, 1 << 20)}
-    assert {cfg["fwd_maxnreg"] for cfg in caps.values()} == {0, 168}
+    assert capped == {(G, D, dtype, tokens) for G in (1, 4, 16) for D in (64, 128)
+                      for dtype in (torch.bfloat16, torch.float16) for tokens in (32768, 1 << 20)}
+    assert {cfg["fwd_maxnreg"] for key, cfg in caps.items() if key in capped and key[1] == 64} == {128}
+    assert {cfg["fwd_maxnreg"] for cfg in caps.values()} == {0, 128, 168}
     assert {cfg["bwd_maxnreg"] for cfg in caps.values()} == {0}
     assert launch.LONG_FROM_TOKENS == 32768
     assert {key for key, cfg in caps.items() if cfg["bwd_chunks"] == 16} == {

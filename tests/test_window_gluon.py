@@ -44,8 +44,9 @@ def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 102
         do_rows = (do.stride(0), do.stride(1), G * do.stride(2), do.stride(2))
     args = (q, k, v, do, lse, delta, dk, dv, gate, *sel_rows, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *q.stride()[:3], *do_rows, *sel_rows[0].stride())
-    return args, dict(G=G, BM=gluon_kernels.DKDV_ROWS, BN=gluon_kernels.DKDV_KEYS, DK=D, DV=D, GATED=gated, SEL=sel,
-                      F32_DOT=False, num_warps=8)
+    BM = window_op.launch_config(D, D)["kv_gluon_BM"]
+    return args, dict(G=G, BM=BM, BN=gluon_kernels.DKDV_KEYS, DK=D, DV=D, GATED=gated, SEL=sel,
+                      F32_DOT=False, num_warps=BM // 16)
 
 
 BUILDS = [(4, True, 64, "bfloat16", 128), (16, True, 64, "float16", 128), (4, False, 0, "bfloat16", 128),
@@ -126,13 +127,14 @@ def sm90_builds() -> dict:
 @needs_gluon
 @pytest.mark.parametrize("G, gated, sel, dtype, D", BUILDS)
 def test_dkdv_gluon_builds_for_sm90(sm90_builds, G, gated, sel, dtype, D):
-    """It compiles for Hopper within one 8-warp program's registers and shared memory (192 KB: one
-    program per SM), spilling a few words at most (as built when timed: 16 bytes at G=4 with the
-    local-slot term, none without; 20 at G=1). At D = 64: 112 KB, 245 registers, no spills."""
+    """It compiles for Hopper in launch_config's tiles, spilling a few words at most: at D = 128
+    128-row tiles, 8 warps, 192 KB (one program per SM; as built when timed: 12 bytes at G=4 with
+    the local-slot term, none without); at D = 64 64-row tiles, 4 warps, 64 KB and 255 registers
+    or fewer (two programs per SM; 4 bytes with the local-slot term)."""
     got = sm90_builds[repr((G, gated, sel, dtype, D))]
     assert got["registers"] <= 255, got
     assert got["spill_stores"] <= 32, got
-    assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES, got
+    assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // (1 if D == 128 else 2), got
 
 
 @needs_gluon
@@ -187,10 +189,12 @@ def test_dkdv_gluon_takes_the_triton_kernels_arguments():
 
 
 def test_dkdv_gluon_applies_only_where_written_for():
-    """Asked for at D = 128 (the launch config; D = 64 runs when asked); never on CPU tensors, at other
-    head dims or at groups that are not powers of two."""
+    """The dK/dV kernel asked for at D = 128 (128-row tiles) and D = 64 (64-row tiles), the dQ kernel
+    at D = 128 (D = 64 runs when asked); never on CPU tensors, at other head dims or at groups that
+    are not powers of two."""
     assert window_op.launch_config(128, 128)["kv_gluon"] == window_op.launch_config(128, 128)["dq_gluon"] == 1
-    assert window_op.launch_config(64, 64)["kv_gluon"] == window_op.launch_config(64, 64)["dq_gluon"] == 0
+    assert window_op.launch_config(64, 64)["kv_gluon"] == 1 and window_op.launch_config(64, 64)["dq_gluon"] == 0
+    assert window_op.launch_config(128, 128)["kv_gluon_BM"] == 128 and window_op.launch_config(64, 64)["kv_gluon_BM"] == 64
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     assert not gluon_kernels.applies(q, q, 4)
     if torch.cuda.is_available() and gluon_kernels.applies(q.cuda(), q.cuda(), 4):
@@ -201,16 +205,17 @@ def test_dkdv_gluon_applies_only_where_written_for():
 
 
 def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: str = "kv_gluon", pad: int = 0,
-                   D: int = 128):
+                   D: int = 128, rows: int = 128):
     """The window backward in the gated node's mode (gate, delta, dO unfolded; with sel, the local
     slots' term) with launch_config's `key` (kv_gluon: the dK/dV kernel; dq_gluon: the dQ kernel)
-    1 and 0, the other Gluon kernel off, on one set of inputs; q with `pad` rows past T * G."""
+    1 and 0, the other Gluon kernel off, on one set of inputs; q with `pad` rows past T * G; `rows`
+    the Gluon dK/dV kernel's tile rows (kv_gluon_BM)."""
     W, L = 512, 64
     R, Hq = T * G, Hkv * G
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, Hkv, R + pad, D, device="cuda", generator=gen).to(dtype)
     k, v = (torch.randn(1, T, Hkv, D, device="cuda", generator=gen).to(dtype) for _ in range(2))
-    cfg = {**window_op.launch_config(D, D), "kv_gluon": 0, "dq_gluon": 0}
+    cfg = {**window_op.launch_config(D, D), "kv_gluon": 0, "dq_gluon": 0, "kv_gluon_BM": rows}
     o, lse, _, _ = window_op.forward(q, k, v, G, W, D ** -0.5, cfg, L)
     do = torch.randn(1, T, Hq, D, device="cuda", generator=gen).to(dtype)
     do_fold = do.view(1, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(1, Hkv, R, D)
@@ -241,7 +246,8 @@ def _plain_both(T: int, Hkv: int, G: int, dtype, seed: int, D: int = 128):
     (130, 1, 4, torch.bfloat16, 128), (4099, 1, 16, torch.bfloat16, 128), (2048, 2, 1, torch.float16, 128),
     (3001, 3, 4, torch.bfloat16, 64), (1000, 1, 16, torch.float16, 64)])
 @pytest.mark.parametrize("sel", [False, True], ids=["window", "local-slots"])
-def test_dkdv_gluon_against_triton(T, Hkv, G, dtype, D, sel):
+@pytest.mark.parametrize("rows", [128, 64])
+def test_dkdv_gluon_against_triton(T, Hkv, G, dtype, D, sel, rows):
     """dQ is the same kernel's (equal). Without the local-slot term dK and dV equal the Triton
     kernel's bit for bit: the same products, summed in the same order (a 128-row dot adds its rows
     as two 64-row tiles do). With it, dS is p dP - (p delta + p_s delta_s) in both, but the kernels
@@ -252,7 +258,7 @@ def test_dkdv_gluon_against_triton(T, Hkv, G, dtype, D, sel):
     x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
     if not gluon_kernels.applies(x, x, G):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
-    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, D=D)
+    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, D=D, rows=rows)
     assert torch.equal(got[0], want[0]), "dq"
     _compare(got[1:], want[1:], exact=not sel)
 

@@ -181,13 +181,6 @@ if HAS_GLUON:
             async_copy.async_copy_global_to_shared(do_buf.index(1 - cur), do_ptr + da[:, None] + col[None, :],
                                                    mask=okn[:, None])
             async_copy.commit_group()
-            # Read now, used next iteration: chunk i+2's gather rows, chunk i+1's score rows.
-            tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
-            tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
-            stn = b * sl_b + (h * G + gn_s) * sl_h + (T0 + tn_s) * sl_t
-            lse2_n = gl.load(lse_ptr + stn, mask=okn_s, other=0.0) * LOG2E
-            delta_n = gl.load(delta_ptr + stn, mask=okn_s, other=0.0)
-            gate_n = gl.load(gate_ptr + stn, mask=okn_s & GATED, other=0.0)
             # Chunk i's copies: every group but the one just committed.
             async_copy.wait_group(1)
             gl.thread_barrier()
@@ -211,6 +204,14 @@ if HAS_GLUON:
             dq = warpgroup_mma(ds_smem, k_smem, q_zero, use_acc=False, is_async=True)
             dv_acc = warpgroup_mma(p_smem.permute((1, 0)), dos, dv_acc, is_async=True)
             dk_acc = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk_acc, is_async=True)
+            # Read under the dots (the scores' registers are free now), used next iteration: chunk
+            # i+2's gather rows, chunk i+1's score rows.
+            tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
+            tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
+            stn = b * sl_b + (h * G + gn_s) * sl_h + (T0 + tn_s) * sl_t
+            lse2_n = gl.load(lse_ptr + stn, mask=okn_s, other=0.0) * LOG2E
+            delta_n = gl.load(delta_ptr + stn, mask=okn_s, other=0.0)
+            gate_n = gl.load(gate_ptr + stn, mask=okn_s & GATED, other=0.0)
             dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
             row = b * sdq_b + t * sdq_t + (h * G + g) * sdq_h + slot * sdq_n
             gl.store(dqp_ptr + row[:, None] + col[None, :],
@@ -271,11 +272,14 @@ if HAS_GLUON:
         so_b, so_t, so_h, so_n, sl_b, sl_t, sl_h,
         N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr,
         DK: gl.constexpr, DKP: gl.constexpr, DV: gl.constexpr, DVP: gl.constexpr,
-        F32_DOT: gl.constexpr, IEEE: gl.constexpr,
+        F32_DOT: gl.constexpr, IEEE: gl.constexpr, LATE_ROWS: gl.constexpr = False,
     ):
         """Arguments and results as kernels._fwd_kernel's (4 warps, 64-row chunks, DK = DKP = DV =
         DVP): partial o and lse (base 2) of the item's tokens, chunk i+1's query rows copied
-        while chunk i's dots run."""
+        while chunk i's dots run. LATE_ROWS: the next chunks' row ids are read under the P V dot
+        rather than before the scores' dot; fewer registers live across the softmax (at D = 64 the
+        kernel then fits 128 registers without spills: four programs per SM), where at D = 128 the
+        early reads ran 1% faster (docs/decisions.md)."""
         LOG2E: gl.constexpr = 1.4426950408889634
         M: gl.constexpr = BT * GP
         D: gl.constexpr = DKP
@@ -320,8 +324,9 @@ if HAS_GLUON:
             gl.thread_barrier()
             _copy_q_rows(q_buf.index(1 - cur), q_ptr, b, h, tn, gn, okn, T0, sq_b, sq_t, sq_kv, sq_g, col, G)
             async_copy.commit_group()
-            tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
-            tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
+            if not LATE_ROWS:
+                tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
+                tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
             async_copy.wait_group(1)
             gl.thread_barrier()
             fence_async_shared()
@@ -335,6 +340,10 @@ if HAS_GLUON:
             p = gl.exp2(s - m[:, None])
             l = gl.sum(p, axis=1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_smem, o_zero, use_acc=False, is_async=True)
+            if LATE_ROWS:
+                # Used next iteration: chunk i+2's gather rows, chunk i+1's score rows.
+                tn, sn, gn, okn = _rows(entries_ptr, c0 + 2 * BT, end, N, G, GP, M, row_ld)
+                tn_s, sn_s, gn_s, okn_s = _rows(entries_ptr, c0 + BT, end, N, G, GP, M, row_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             l_o = gl.convert_layout(l, gl.SliceLayout(1, mma_o))
             o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]

@@ -109,7 +109,7 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
-            "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 0,
+            "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 128 if small and long else 0,
             "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1}
 
 
@@ -205,7 +205,8 @@ def _pass_kernel(cfg: dict, pass_: str, q: Tensor, v: Tensor, consts: dict):
     if _gluon_runs(cfg, pass_, q, v, consts):
         kernel = gluon_kernels._fwd_gluon_kernel if fwd else gluon_kernels._bwd_gluon_kernel
         warps = 4 if fwd else cfg["bwd_BT"] * consts["GP"] // 16
-        return kernel, dict(opaque=True, num_warps=warps, maxnreg=cfg[f"{pass_}_maxnreg"])
+        late = dict(LATE_ROWS=consts["DKP"] <= 64) if fwd else {}
+        return kernel, dict(opaque=True, num_warps=warps, maxnreg=cfg[f"{pass_}_maxnreg"], **late)
     return (kernels._fwd_kernel if fwd else kernels._bwd_kernel), _launch(cfg, pass_)
 
 

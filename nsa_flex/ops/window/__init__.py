@@ -103,10 +103,12 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     0.22 / 0.23 / 0.35 against 0.24 / 0.28 / 0.41. At D=128 those settings were slower.
 
     kv_gluon: where gluon_kernels.applies (Hopper, D of 64 or 128), the dK/dV kernel in Gluon
-    (gluon_kernels.py; its own 128-row tiles, 64-key blocks and 8 warps): at T=64k, G=4 in the
-    compiled op 1.76 ms against 2.19, at G=16 7.14 against 9.58. 0 keeps the Triton kernel. At
-    D = 64 kv_gluon and dq_gluon are 0 (they run when asked): the node's backward at T=64k, Hq=12,
-    Hkv=3 took 1.38 ms with the Gluon dK/dV kernel and 1.45 with both against 1.36 for Triton's.
+    (gluon_kernels.py; 64-key blocks, kv_gluon_BM rows a tile with one warp per 16): at T=64k, G=4
+    in the compiled op 1.76 ms against 2.19, at G=16 7.14 against 9.58, with 128-row tiles (8
+    warps, one program per SM; 64-row tiles spill there and took the backward from 2.9 to 3.6 ms).
+    At D = 64 with 64-row tiles (4 warps, two programs per SM) the node's backward (dQ + dK/dV) at
+    T=64k, Hq=12, Hkv=3 took 1.23-1.25 ms against 1.37-1.38 with the Triton kernel and 1.36-1.39
+    with 128-row tiles (H100). 0 keeps the Triton kernel. dq_gluon stays 0 at D = 64: 1.45 ms.
 
     fwd_gluon: where gluon_kernels.forward_applies, the forward in Gluon, warp-specialised with
     TMA loads (its own 64-row tiles and 64-key blocks; docs/decisions.md, "The window branch").
@@ -117,10 +119,10 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     if max(Dk, Dv) <= 64:
         return {"fwd_BM": 64, "fwd_BN": 32, "fwd_warps": 4, "fwd_stages": 3, "fwd_gluon": 0,
                 "dq_BM": 64, "dq_BN": 32, "dq_warps": 4, "dq_stages": 3, "dq_gluon": 0,
-                "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1, "kv_gluon": 0}
+                "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 1, "kv_gluon": 1, "kv_gluon_BM": 64}
     return {"fwd_BM": 64, "fwd_BN": 64, "fwd_warps": 4, "fwd_stages": 2, "fwd_gluon": 1,
             "dq_BM": 64, "dq_BN": 64, "dq_warps": 4, "dq_stages": 2, "dq_gluon": 1,
-            "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2, "kv_gluon": 1}
+            "kv_BM": 64, "kv_BN": 64, "kv_warps": 4, "kv_stages": 2, "kv_gluon": 1, "kv_gluon_BM": 128}
 
 
 def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
@@ -244,10 +246,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     kv_args = (q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, *common)
     if cfg.get("kv_gluon") and gluon_kernels.applies(q, v, group):
         # Inductor cannot launch a Gluon kernel: the opaque op does.
-        BN = gluon_kernels.DKDV_KEYS
+        BN, BM = gluon_kernels.DKDV_KEYS, cfg.get("kv_gluon_BM", gluon_kernels.DKDV_ROWS)
         launch(gluon_kernels._dkdv_gluon_kernel, (-(-T // BN), B * Hkv), *kv_args, writes=(dk, dv), opaque=True,
-               G=group, BM=gluon_kernels.DKDV_ROWS, BN=BN, DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=False,
-               num_warps=8)
+               G=group, BM=BM, BN=BN, DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=False, num_warps=BM // 16)
     else:
         BN = cfg["kv_BN"]
         wrap_triton(kernels._dkdv_kernel)[(-(-T // BN), B * Hkv)](

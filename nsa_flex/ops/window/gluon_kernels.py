@@ -366,14 +366,18 @@ if HAS_GLUON:
                            s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr,
                            GATED: gl.constexpr, SEL: gl.constexpr, F32_DOT: gl.constexpr):
-        """Arguments and results as kernels._dkdv_kernel's (8 warps, BM = 128 rows a tile, BN = 64
-        keys, DK = DV of 64 or 128; F32_DOT False): dK, dV of key block program_id(0)."""
+        """Arguments and results as kernels._dkdv_kernel's (BM rows a tile, 64 or 128, launched with
+        BM / 16 warps; BN = 64 keys, DK = DV of 64 or 128; F32_DOT False): dK, dV of key block
+        program_id(0)."""
         D: gl.constexpr = DK
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+        # One warp per 16 rows of the tile; dK / dV [BN, D]: four warps down its 64 rows, the
+        # others across its columns.
+        NW: gl.constexpr = BM // 16
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BN, 16])
-        mma_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                          instr_shape=[16, D // 2, 16])
+        mma_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
+                                                          instr_shape=[16, D // (NW // 4), 16])
         row_ld: gl.constexpr = gl.SliceLayout(1, ld)
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -443,9 +447,6 @@ if HAS_GLUON:
             _rows_to_shared(q_buf.index(1 - cur), Q, b, h, rn, okn, s_qb, s_qh, G * s_qr, s_qr, col, G)
             _rows_to_shared(do_buf.index(1 - cur), DO, b, h, rn, okn, s_db, s_dh, s_dt, s_dg, col, G)
             async_copy.commit_group()
-            rsn = rs + BM
-            nxt = _row_stats(LSE, DELTA, GW, LSES, DELTAS, GS, bh, b, h, rsn, (rsn < R) & (r0 + BM < r_end), R,
-                             s_lb, s_lh, s_lt, G, GATED, SEL)
             async_copy.wait_group(1)
             gl.thread_barrier()
             fence_async_shared()
@@ -483,9 +484,13 @@ if HAS_GLUON:
             fence_async_shared()
             dv_acc = warpgroup_mma(p_smem.permute((1, 0)), dos, dv_acc, is_async=True)
             dk_acc = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk_acc, is_async=True)
+            # Tile i+1's row statistics under the dots (read here, where the scores' registers
+            # are free).
+            rs = rs + BM
+            lse2, delta, gw, lse_s2, delta_s, gs = _row_stats(LSE, DELTA, GW, LSES, DELTAS, GS, bh, b, h, rs,
+                                                              (rs < R) & (r0 + BM < r_end), R, s_lb, s_lh, s_lt, G,
+                                                              GATED, SEL)
             dv_acc, dk_acc = warpgroup_mma_wait(num_outstanding=0, deps=(dv_acc, dk_acc))
-            rs = rsn
-            lse2, delta, gw, lse_s2, delta_s, gs = nxt
         async_copy.wait_group(0)
         kk = s0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_kv))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, mma_kv))
