@@ -160,7 +160,8 @@ def _forward_both(G: int, T: int, dtype, range_tokens: int, D: int = 128):
     (4, 3000, torch.bfloat16, 0, False, 128), (4, 3000, torch.bfloat16, 1024, True, 128),
     (16, 2000, torch.bfloat16, 512, True, 128), (2, 1500, torch.float16, 0, False, 128),
     (8, 4100, torch.bfloat16, 1024, False, 128), (4, 3000, torch.bfloat16, 1024, False, 64),
-    (2, 1500, torch.float16, 0, False, 64), (16, 2000, torch.bfloat16, 512, False, 64)])
+    (2, 1500, torch.float16, 0, False, 64), (16, 2000, torch.bfloat16, 512, False, 64),
+    (4, 3000, torch.bfloat16, 1024, True, 64)])
 def test_gluon_forward_equals_triton(G, T, dtype, range_tokens, long, D, monkeypatch):
     """o and lse with the Gluon forward equal the Triton kernel's bit for bit, with one token
     range or several, rows with fewer blocks, and the register cap of long sequences (its
