@@ -8,8 +8,10 @@ iteration and issues the next chunk's only after the chunk's dots and stores; wi
 backward program per SM nothing overlaps the gathers. Gluon states the schedule: chunk i+1's
 copies go into the other buffer before the program waits for chunk i's (cp.async groups,
 wait_group(1)); the entries, lse, delta and gate of later chunks are read into registers a chunk
-or two early; in the backward P's exp runs under dP's dot, and dQ's dot goes first so that its
-store runs under dV's and dK's. Partial o / dQ rows leave through shared memory as 16-byte
+or two early, in the backward while the chunk's last three dots run (the scores' registers are
+free then: no spills at either head dim, and the kernel 3-6% faster than with those reads before
+the scores' dots); in the backward P's exp runs under dP's dot, and dQ's dot goes first so that
+its store runs under dV's and dK's. Partial o / dQ rows leave through shared memory as 16-byte
 stores.
 
 The backward's epilogue keeps the Triton kernel's rule (_finish_block, written again here): a

@@ -87,9 +87,12 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     of shared memory: two programs per SM. Capped at 168 registers it fits three (40 bytes of
     spills at G=4, none at G=16): on an H200 the forward kernel took 3.39 against 3.82 ms at
     T=64k, G=4, 1.66 against 1.86 at 32k, 11.40 against 14.06 at 64k, G=16 (torch profiler,
-    docs/records/selected_forward_maxnreg_kernels_h200.json). Inductor (torch 2.11) drops maxnreg
-    from the kernels it launches, so a capped launch runs through nsa_flex::capped_launch, opaque
-    to it; that op's host time outweighs the saving below LONG_FROM_TOKENS tokens.
+    docs/records/selected_forward_maxnreg_kernels_h200.json). At 16-bit D = 64 the Gluon forward
+    (the next chunks' row ids read under its P V dot) fits a cap of 128 without spills, four
+    programs per SM: 1.33 against 1.43 ms uncapped at T=64k, Hq=12, Hkv=3 (H100; the Triton
+    forward there takes 127 registers either way). Inductor (torch 2.11) drops maxnreg from the
+    kernels it launches, so a capped launch runs through nsa_flex::capped_launch, opaque to it;
+    that op's host time outweighs the saving below LONG_FROM_TOKENS tokens.
 
     range_tokens (0: from the partial budget, see range_tokens()) overrides the token range length;
     partial_bytes (0: PARTIAL_BYTES) is that budget.

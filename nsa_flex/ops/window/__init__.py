@@ -246,7 +246,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     kv_args = (q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, *common)
     if cfg.get("kv_gluon") and gluon_kernels.applies(q, v, group):
         # Inductor cannot launch a Gluon kernel: the opaque op does.
-        BN, BM = gluon_kernels.DKDV_KEYS, cfg.get("kv_gluon_BM", gluon_kernels.DKDV_ROWS)
+        BN, BM = gluon_kernels.DKDV_KEYS, cfg["kv_gluon_BM"]
         launch(gluon_kernels._dkdv_gluon_kernel, (-(-T // BN), B * Hkv), *kv_args, writes=(dk, dv), opaque=True,
                G=group, BM=BM, BN=BN, DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=False, num_warps=BM // 16)
     else:

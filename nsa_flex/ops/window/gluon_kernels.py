@@ -17,10 +17,12 @@ differently fused fp32 arithmetic, as in the dK/dV kernel.
 _dkdv_gluon_kernel does kernels._dkdv_kernel's work (one program per key block, walking the row
 tiles that see it; the gated and local-slot terms) in another schedule. The Triton kernel holds
 K, V, P and dS in registers with 4 warps and 64-row tiles (255 registers with spills at D = 128,
-two programs per SM). This one keeps its dots' operands in shared memory and walks 128-row tiles
-with 8 warps: tile i+1's query and output-gradient rows are copied (cp.async) into a second
-buffer while tile i's four dots run, dP's dot runs under P's exp, and P and dS reach the dV and
-dK dots through shared memory.
+two programs per SM). This one keeps its dots' operands in shared memory and walks BM-row tiles
+with one warp per 16 rows (128 rows and 8 warps at D = 128, one program per SM; 64 and 4 at
+D = 64, two): tile i+1's query and output-gradient rows are copied (cp.async) into a second
+buffer while tile i's four dots run, its row statistics are read while the dV and dK dots run
+(where the scores' registers are free), dP's dot runs under P's exp, and P and dS reach the dV
+and dK dots through shared memory.
 
 Same products, each summed in the same order (a 128-row dot adds its rows as two 64-row tiles
 do), so without the local-slot term dK and dV equal the Triton kernel's bit for bit; with it dS
@@ -42,9 +44,8 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma, \
         warpgroup_mma, warpgroup_mma_wait
 
-DKDV_ROWS = 128
-"""Folded rows per tile of the Gluon dK/dV kernel (launched with 8 warps, 64-key blocks)."""
 DKDV_KEYS = 64
+"""Keys per block of the Gluon dK/dV kernel (its rows a tile: launch_config's kv_gluon_BM)."""
 FWD_ROWS = 64
 """Folded rows per tile of the Gluon forward (one consumer warpgroup, 64-key blocks)."""
 FWD_KEYS = 64
