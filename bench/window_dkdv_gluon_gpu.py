@@ -5,9 +5,10 @@
 
 window_op.backward in the gated node's mode (dO unfolded, the window's gate and delta per row,
 with and without the selected branch's local-slot term) with launch_config's kv_gluon and
-dq_gluon: both Triton (triton), the Gluon dK/dV kernel (gluon: kv_gluon 1; gluon_rows64: with
-64-row tiles and 4 warps) and both Gluon (gluon_dq: kv_gluon and dq_gluon 1), each against the first; at --dim (Dk = Dv, 128 by default)
-and T:Hkv:G shapes (SHAPES by default), the Triton kernels with launch_config(dim, dim)'s tiles.
+dq_gluon: both Triton (triton), the Gluon dK/dV kernel (gluon: kv_gluon 1, 128-row tiles;
+gluon_rows64: 64-row tiles and 4 warps) and both Gluon (gluon_dq: kv_gluon and dq_gluon 1), each
+against the first; at --dim (Dk = Dv, 128 by default) and T:Hkv:G shapes (SHAPES by default), the
+Triton kernels with launch_config(dim, dim)'s tiles.
 Inputs: q, k, v random bf16; o, lse from window_op.forward with the local partial; the gate
 uniform; delta = rowsum(dO o); the selected rows from lse plus 0.3 U(0, 1), 0.7 delta and U(0, 1).
 Per shape: the largest and relative L2 differences of dq, dk and dv; at T >= 32k do_bench

@@ -112,8 +112,8 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
     return {"fwd_BT": BT, "bwd_BT": max(1, 128 // GP) if wide_rows else BT, "fwd_chunks": 8,
             "bwd_chunks": 64 if long else 16 if wide_rows else 32, "fwd_warps": 4,
             "bwd_warps": 8 if DKP + DVP >= 256 else 4, "fwd_stages": 4 if wide_rows else 2,
-            "bwd_stages": 5 if small else 3 if narrow else 2, "fwd_maxnreg": 168 if wide_rows and long else 128 if small and long else 0,
-            "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1}
+            "bwd_stages": 5 if small else 3 if narrow else 2,
+            "fwd_maxnreg": 168 if wide_rows and long else 128 if small and long else 0, "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1}
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
