@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -71,6 +72,30 @@ def kernel_sequence(events: list[dict]) -> list[list]:
     return [[e["name"][:80], round(e["ts"] - kernels[0]["ts"], 2), round(e["dur"], 2)] for e in kernels]
 
 
+def kernel_sources(names: list[str], root: Path) -> dict[str, str]:
+    """The generated source of each Inductor kernel in names (triton_* as the profiler names them,
+    maybe cut short: gaps_of keeps 90 characters) found under root (Inductor's cache), from its
+    decorator to the end of its body, then the source-node comment of each place that launches it:
+    {name: text}. Other names, or names not found, are left out. (Inductor numbers its kernels per
+    graph: the first file, in path order, that defines a name is taken.)"""
+    texts = [path.read_text() for path in sorted(root.rglob("*.py"))]
+    found = {}
+    for name in (n for n in names if n.startswith("triton_")):
+        for text in texts:
+            m = re.search(rf"def ({re.escape(name)}\w*)\(", text)
+            if m is None:
+                continue
+            start = text.rfind("@triton_heuristics", 0, m.start())
+            end = text.find("\n\n\n", m.start())
+            body = text[start if start >= 0 else m.start():end if end >= 0 else len(text)]
+            calls = [text[at:text.find("\n", at)].strip()
+                     for call in re.finditer(rf"\b{m.group(1)}\.run\(", text)
+                     if (at := text.rfind("# Topologically Sorted Source Nodes", 0, call.start())) >= 0]
+            found[name] = "\n".join([body, *calls])
+            break
+    return found
+
+
 def profile_steps(attention: str, T: int, B: int, top: int = 40, sequence: Path | None = None) -> dict:
     """One row: steps FIRST and FIRST + 1 of a fresh run under the profiler, and every step's ms;
     with `sequence`, every device event of those steps in order, written there as JSON."""
@@ -104,12 +129,19 @@ def main() -> None:
     p.add_argument("--commit", default="")
     p.add_argument("--top", type=int, default=40, help="kernel names kept, by time")
     p.add_argument("--sequence", type=Path, help="also write every device event in order here (NAME.json per attention)")
+    p.add_argument("--sources", action="store_true",
+                   help="also keep each kept Inductor kernel's generated source (row key kernel_sources), read "
+                        "from Inductor's cache: run with a fresh TORCHINDUCTOR_CACHE_DIR so that it holds this run's")
     args = p.parse_args()
     record = {"header": {**header(args.commit), "what": __doc__.splitlines()[0]}, "rows": []}
     save = json_saver(args.out, record)
     for attention in args.attentions:
         sequence = args.sequence.with_name(f"{args.sequence.stem}_{attention}.json") if args.sequence else None
         row = profile_steps(attention, args.T, args.B, args.top, sequence)
+        if args.sources:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+            row["kernel_sources"] = kernel_sources([k["name"] for k in row["by_kernel"]], Path(cache_dir()))
         record["rows"].append(row)
         save()
         print(f"{attention} T={args.T} B={args.B}: idle {row['idle_ms'] / 2:.2f} ms a step "

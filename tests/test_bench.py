@@ -362,6 +362,29 @@ def test_op_ab_variants_parse_and_refuse_unknown_keys():
         parse_variant("x=flex.BLOCK:64")
 
 
+def test_step_gaps_kernel_sources(tmp_path):
+    """bench.train_step_gaps_gpu.kernel_sources: an Inductor kernel's decorator and body from the
+    cache's files, found by a name the profiler cut short, with the source-node comment of each
+    launch; names of other kernels and names not found left out."""
+    from bench.train_step_gaps_gpu import kernel_sources
+
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "graph.py").write_text(
+        "x = 1\n\n\n@triton_heuristics.pointwise(size_hints={'x': 8})\n@triton.jit\n"
+        "def triton_poi_fused_add_cat_7(in_ptr0, out_ptr0):\n    tmp0 = tl.load(in_ptr0)\n\n\n"
+        "def call(args):\n        # Topologically Sorted Source Nodes: [cat_3], Original ATen: [aten.cat]\n"
+        "        triton_poi_fused_add_cat_7.run(buf1, buf2, 8, stream=stream0)\n"
+        "        # Topologically Sorted Source Nodes: [add_9], Original ATen: [aten.add]\n"
+        "        triton_poi_fused_add_cat_7.run(buf3, buf4, 8, stream=stream0)\n")
+    got = kernel_sources(["triton_poi_fused_add_cat_", "_fwd_kernel", "triton_poi_missing_1"], tmp_path)
+    assert list(got) == ["triton_poi_fused_add_cat_"]
+    text = got["triton_poi_fused_add_cat_"]
+    assert text.startswith("@triton_heuristics.pointwise") and "tmp0 = tl.load(in_ptr0)" in text
+    assert "def call" not in text and "x = 1" not in text
+    assert text.splitlines()[-2:] == ["# Topologically Sorted Source Nodes: [cat_3], Original ATen: [aten.cat]",
+                                      "# Topologically Sorted Source Nodes: [add_9], Original ATen: [aten.add]"]
+
+
 def test_step_gaps_merge_kernel_intervals():
     """bench.train_step_gaps_gpu.gaps_of: overlapping kernels count once as busy, the idle gaps lie
     between the merged intervals, and a gap lists the host ops that ran in it; the kernel names
