@@ -204,6 +204,17 @@ def test_dkdv_gluon_applies_only_where_written_for():
         assert not gluon_kernels.applies(x[..., :96], x[..., :96], 4)
 
 
+def test_dkdv_gluon_rows_outside_its_tiles_rejected():
+    """A launch config asking the Gluon dK/dV kernel for a tile height it is not written for fails
+    with the heights it takes, on any device (before any kernel is chosen)."""
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, 8)
+    cfg = {**window_op.launch_config(64, 64), "kv_gluon": 1, "kv_gluon_BM": 32}
+    with pytest.raises(ValueError, match=r"kv_gluon_BM=32; the Gluon dK/dV kernel's tiles take 64 or 128 rows"):
+        window_op.backward(q, q, k, v, q, lse, 1, 4, 0.125, cfg)
+
+
 def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: str = "kv_gluon", pad: int = 0,
                    D: int = 128, rows: int = 128):
     """The window backward in the gated node's mode (gate, delta, dO unfolded; with sel, the local

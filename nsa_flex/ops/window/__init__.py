@@ -193,6 +193,9 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     lse in natural log, delta_sel = rowsum(dO * o_sel), l'): the kernels also add the selected
     branch's gradient over each row's two local blocks, whose keys they score anyway (W >= 2 l',
     l' a multiple of the dQ kernel's key blocks)."""
+    if cfg.get("kv_gluon") and cfg["kv_gluon_BM"] not in gluon_kernels.DKDV_ROWS:
+        raise ValueError(f"window backward: kv_gluon_BM={cfg['kv_gluon_BM']!r}; the Gluon dK/dV kernel's tiles "
+                         f"take {' or '.join(map(str, gluon_kernels.DKDV_ROWS))} rows")
     q, k, v = dense(q, k, v)
     B, T, Hkv, Dk = k.shape
     Dv = v.shape[-1]

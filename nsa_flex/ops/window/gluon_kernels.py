@@ -46,6 +46,9 @@ if HAS_GLUON:
 
 DKDV_KEYS = 64
 """Keys per block of the Gluon dK/dV kernel (its rows a tile: launch_config's kv_gluon_BM)."""
+DKDV_ROWS = (64, 128)
+"""The dK/dV kernel's tile heights: its layouts put four warps down the key block (one warp per 16
+rows, so at least 64 rows) and are built and GPU-tested at these."""
 FWD_ROWS = 64
 """Folded rows per tile of the Gluon forward (one consumer warpgroup, 64-key blocks)."""
 FWD_KEYS = 64
