@@ -127,6 +127,11 @@ gs.backward_deltas(do, cmp_rows, 0, o_sel, o_win, gates, cmp_apart=True)
 d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = gs.backward_deltas(do, cmp_rows, 0, o_sel, o_win, gates)
 grads = win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, gate=gate_win, delta=delta_win,
                      sel=(lse_sel, delta_sel, gate_sel, L))
+# With the grouped compressed call's dQ added (its rows read, never written).
+dq4 = torch.randn(B * Hkv, 16 * G, T // 16 - 1, D, dtype=bf)
+inputs["dq4"] = dq4
+win.backward(do, qf, k, v, o_win, lse_win, G, cfg.window, scale, wcfg, gate=gate_win, delta=delta_win,
+             sel=(lse_sel, delta_sel, gate_sel, L), add=([(0, dq4)], 15 * G))
 grads = tuple(torch.zeros_like(x) for x in (qf, k, v))
 sl.backward(do, qf, k, v, o_sel, lse_sel, sel, None, scale, L, q_heads=G * Hkv, gate=gate_sel, delta=delta_sel,
             skip_local=True, acc=grads)
@@ -165,9 +170,10 @@ def test_every_launch_of_the_op_was_analysed(analysis):
     assert {"_fold_kernel", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_bwd_kernel", "_delta_kernel",
             "_slot_kernel", "_block_sum_kernel", "_slot_gated_kernel", "_sum_kernel", "_sum_bwd_kernel",
             "_select_kernel", "_sum_deltas_kernel"} <= seen, seen
-    # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else.
-    dq = next(r for r in analysis["rows"] if r["kernel"] == "_dq_kernel")
-    assert dq["writes"] == ["DELTA", "DQ"]
+    # The analysis itself: the window's dQ kernel writes dQ and delta, nothing else; in the gated
+    # node's mode (delta given) dQ alone, with rows added too (their X is read).
+    dq = [r["writes"] for r in analysis["rows"] if r["kernel"] == "_dq_kernel"]
+    assert dq == [["DELTA", "DQ"], ["DQ"], ["DQ"]], dq
 
 
 def test_selected_kernels_count_only_their_outputs_as_written(analysis):

@@ -133,8 +133,10 @@ def poisoned(monkeypatch):
 # ----- the inverse index -----
 
 def dense_rows(gid_bhtn, Nv):
-    """{(b, h, block): [t * n + slot, ...]} by a plain loop."""
+    """{(b, h, block): [t * S + place, ...]} by a plain loop over the index's rows [B, Hkv, T, s]
+    (S: s rounded up to a power of two)."""
     B, Hkv, T, n = gid_bhtn.shape
+    S = 1 << (n - 1).bit_length()
     rows = {}
     for b in range(B):
         for h in range(Hkv):
@@ -142,7 +144,7 @@ def dense_rows(gid_bhtn, Nv):
                 for s in range(n):
                     j = int(gid_bhtn[b, h, t, s])
                     if j >= 0:
-                        rows.setdefault((b, h, j), []).append(t * n + s)
+                        rows.setdefault((b, h, j), []).append(t * S + s)
     return rows
 
 
@@ -153,24 +155,29 @@ def dense_rows(gid_bhtn, Nv):
 def test_index_matches_dense(B, Hkv, T, n, L, cu):
     cu_t = None if cu is None else torch.tensor(cu)
     bi = random_selection(B, Hkv, T, n, L, seed=T, cu_seqlens=cu_t)
-    # Also an id past the document's end: it reads nothing.
+    # Also an id past the document's end, and slots of -1 before used ones: they read nothing, and
+    # each token's row of the index holds its used slots first, in slot order.
     bi[0, 0, T - 1, -1] = (T + L) // L + 3
+    bi[0, 0, T - 1, 0] = (T + L) // L + 3
+    bi[:, :, ::3, 0] = -1
     index = build_index(bi.int(), L, cu_t)
     Nv = num_virtual_blocks(T, L, 1 if cu is None else len(cu) - 1)
     assert index.counts.shape == (B * Hkv * Nv,)
     bounds = [0, T] if cu is None else cu
     docs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:])]
     first = [sum(-(-(e - s) // L) for s, e in docs[:d]) for d in range(len(docs))]
+    assert index.gid_bhtn.shape == (B, Hkv, T, n)
     for t in range(T):
         d = max(i for i, (s, e) in enumerate(docs) if s <= t < e)
+        used = []
         for slot in range(n):
             j = int(bi[0, 0, t, slot])
-            want = first[d] + j if 0 <= j and docs[d][0] + j * L < docs[d][1] else -1
-            assert int(index.gid_bhtn[0, 0, t, slot]) == want
-            if want >= 0:
+            if 0 <= j and docs[d][0] + j * L < docs[d][1]:
+                used.append(first[d] + j)
                 # The virtual block's keys: its document's tokens from the block's start on.
-                assert int(index.blk_start[want]) == docs[d][0] + j * L
-                assert int(index.blk_end[want]) == min(docs[d][0] + (j + 1) * L, docs[d][1])
+                assert int(index.blk_start[used[-1]]) == docs[d][0] + j * L
+                assert int(index.blk_end[used[-1]]) == min(docs[d][0] + (j + 1) * L, docs[d][1])
+        assert index.gid_bhtn[0, 0, t].tolist() == used + [-1] * (n - len(used))
     rows = dense_rows(index.gid_bhtn, Nv)
     for r in range(B * Hkv * Nv):
         b, h, j = r // (Hkv * Nv), (r // Nv) % Hkv, r % Nv
@@ -191,6 +198,27 @@ def test_index_matches_dense(B, Hkv, T, n, L, cu):
         split = sorted(w for w in range(used) if items.n_items[items.blk[w]] > 1)
         assert split == list(range(len(split)))
         assert len(split) <= split_items_bound(B * Hkv * T * n, span)
+
+
+def test_index_with_fewer_places_than_slots():
+    """slots < n (the gated node's n - 2): rows of `slots` places, entries t * slots + place, the
+    sort over B*Hkv*T*slots keys; a token's used slots past `slots` read nothing instead of
+    reaching another token's partials."""
+    T, n, L = 150, 6, 16
+    bi = random_selection(2, 2, T, n, L, seed=4, drop=0.0).int()
+    bi[:, :, :, 2] = -1
+    slots = 3
+    index = build_index(bi, L, slots=slots)
+    full = build_index(bi, L)
+    assert int((full.gid_bhtn >= 0).sum(-1).max()) > slots  # some tokens use more slots than that
+    assert torch.equal(index.gid_bhtn, full.gid_bhtn[..., :slots])
+    assert index.entries.shape == (2 * 2 * T * slots,)
+    Nv = num_virtual_blocks(T, L, 1)
+    rows = dense_rows(index.gid_bhtn, Nv)
+    for r in range(2 * 2 * Nv):
+        b, h, j = r // (2 * Nv), (r // Nv) % 2, r % Nv
+        got = index.entries[index.offsets[r]: index.offsets[r] + index.counts[r]].tolist()
+        assert got == rows.get((b, h, j), []), (b, h, j)
 
 
 def test_index_of_a_unique_selection_without_the_repeat_check():
@@ -475,6 +503,21 @@ def test_kernels_interpreted_token_ranges(T, R, dtype, cu, poisoned):
 
 
 @interpreter
+def test_kernels_interpreted_slots_that_read_nothing_between_used_ones(poisoned):
+    """Slots of -1 and repeated blocks before used ones: the index packs each token's used slots
+    first, and the kernels, the merge and the dQ sum agree on their places."""
+    cfg = make_config(2, 32, 24, 5, 16)
+    T = 100
+    q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=21)
+    bi = random_selection(1, 2, T, 5, 16, seed=21, drop=0.0)
+    bi[..., 1], bi[..., 2] = bi[..., 2].clone(), -1
+    bi[:, 0, ::2, 0] = bi[:, 0, ::2, 3]
+    assert ((bi[..., 1:] >= 0).sum(-1) > 2).any()
+    got = run_kernels(q, k, v, do, bi, cfg, tiles=dict(range_tokens=40, bwd_chunks=2))
+    check(got, q, k, v, do, bi, cfg)
+
+
+@interpreter
 def test_kernels_interpreted_token_ranges_with_later_blocks(poisoned):
     """A given selection may list blocks after a token's own (masked whole, exact zeros): with
     token ranges run last first, such a block is already final when an earlier range lists it,
@@ -497,24 +540,30 @@ def test_kernels_interpreted_token_ranges_with_later_blocks(poisoned):
 def test_backward_from_the_saved_index_equals_rebuilding_it(R, skip_local, folded, poisoned):
     """backward(index=) with forward(keep_index=True)'s SavedIndex gives bit for bit what building
     the index again gives (the same index, range by range; only the work items are built), and the
-    SavedIndex has the shapes saved_index_shapes states (the gated node's fake outputs)."""
+    SavedIndex has the shapes saved_index_shapes states (the gated node's fake outputs). Without
+    the local slots the selection lists each token's own block and the one before (the gated
+    node's), and the index is the forward's that leaves them out too (n - 2 partial slots)."""
+    from test_gated_branches import local_selection
+
     cfg = make_config(2, 32, 24, 4, 16)
     T, scale = 130, 32 ** -0.5
     q, k, v, do = make_inputs(1, T, cfg, torch.float32, seed=R)
-    bi = random_selection(1, 2, T, 4, 16, seed=R)
+    bi = local_selection(1, 2, T, 5, 16, seed=R) if skip_local else random_selection(1, 2, T, 4, 16, seed=R)
+    n = bi.shape[-1]
     tiles = dict(range_tokens=R, bwd_chunks=2)
     q_heads = cfg.n_heads if folded else 0
     if folded:
         q = fold(q, cfg.n_kv_heads, rows=T * 2 + 3)
     o, lse, index = launch.forward(q, k, v, bi, None, scale, 16, tiles, q_heads, keep_index=True)
+    if skip_local:
+        index = launch._pack([i for _, _, i, _ in launch._forward_ranges(q, k, v, bi, None, scale, 16, tiles, q_heads,
+                                                                          skip_local=True)])
     assert index.counts.shape[0] == len(launch._ranges(T, R))
     if R >= T:
-        shapes = launch.saved_index_shapes(1, T, 2, 4, 16, q, k, v, q_heads)
+        shapes = launch.saved_index_shapes(1, T, 2, n, 16, q, k, v, q_heads, skip_local=skip_local)
         assert [tuple(x.shape) for x in index] == list(shapes)
     got = launch.backward(do, q, k, v, o, lse, bi, None, scale, 16, tiles, q_heads, skip_local=skip_local,
-                          index=index if not skip_local else launch.forward(
-                              q, k, v, launch.without_local(bi, 16, 0), None, scale, 16, tiles, q_heads,
-                              keep_index=True)[2])
+                          index=index)
     want = launch.backward(do, q, k, v, o, lse, bi, None, scale, 16, tiles, q_heads, skip_local=skip_local)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name

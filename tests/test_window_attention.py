@@ -121,6 +121,35 @@ def test_kernels_interpreted(B, T, Hkv, G, Dk, Dv, W, extra, dtype, poisoned):
     assert torch.equal(got[1][:, :, T * G:], torch.zeros_like(got[1][:, :, T * G:]))
 
 
+@interpreter
+def test_backward_adds_another_gradient_of_the_rows_interpreted(poisoned):
+    """backward(add=...) (the gated node's grouped compressed dQ): dQ plus the added rows, row
+    head + s * dG + j of (b, kv head) bh0 + i being X[i, j, s], the same whether X comes in one part
+    or per (b, kv head), within one rounding of the sum made after (dQ is rounded once, not twice);
+    rows outside [head, head + Tc * dG) and dK / dV as without it."""
+    B, T, Hkv, G, D, W = 2, 40, 2, 4, 32, 24
+    q, k, v, do = make_inputs(B, T, Hkv, G, D, D, torch.float32, extra=5, seed=4)
+    o, lse, *_ = window_op.forward(q, k, v, G, W, D ** -0.5, window_op.launch_config(D, D))
+    cfg = window_op.launch_config(D, D)
+    head, dG, Tc = 7, 8, 18  # rows 7 .. 150 of the 165
+    x = torch.randn(B * Hkv, Tc, dG, D, generator=torch.Generator().manual_seed(5)).transpose(1, 2)
+    plain = window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, cfg)
+    one = window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, cfg, add=([(0, x)], head))
+    split = window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, cfg,
+                               add=([(i, x[i:i + 1]) for i in range(B * Hkv)], head))
+    for a, b in zip(one, split):
+        assert torch.equal(a, b)
+    want = plain[0].clone().view(B * Hkv, -1, D)
+    want[:, head:head + Tc * dG] += x.transpose(1, 2).reshape(B * Hkv, Tc * dG, D)
+    want = want.view_as(plain[0])
+    assert (one[0] - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
+    assert torch.equal(one[0][:, :, :head], plain[0][:, :, :head])
+    assert torch.equal(one[0][:, :, head + Tc * dG:], plain[0][:, :, head + Tc * dG:])
+    assert torch.equal(one[1], plain[1]) and torch.equal(one[2], plain[2])
+    with pytest.raises(ValueError, match="cover 3 .* of 4"):
+        window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, cfg, add=([(0, x[:3])], head))
+
+
 SMALL_TILES = [  # (G, row tiles, fwd / dq key blocks, dK/dV key blocks)
     pytest.param(3, 32, 16, 32, id="G3-rows-split-tokens"),
     # One token per 16-row tile: tiles start at every token, so every edge of the loops' parts occurs.

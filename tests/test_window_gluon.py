@@ -71,9 +71,12 @@ def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1
                       maxnreg=gluon_kernels.FWD_MAXNREG)
 
 
-def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512, D: int = 128):
+def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512, D: int = 128,
+             add: bool = False):
     """Positional and constexpr arguments of one gated dQ launch on CPU tensors, as window_op.backward
-    makes them (dO unfolded [B, T, Hq, D]; the TMA descriptors as the opaque op's body makes them)."""
+    makes them (dO unfolded [B, T, Hq, D]; the TMA descriptors as the opaque op's body makes them);
+    add: with the grouped compressed call's dQ added (its [B*Hkv, 16 G, T / 16 - 1, D] rows from
+    row 15 G on)."""
     from nsa_flex.ops.capped_launch import tma_descriptor
 
     B = 1
@@ -84,15 +87,18 @@ def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2
     lse, delta, gate = (torch.zeros(B, Hkv, R) for _ in range(3))
     sel_rows = [torch.zeros(B, Hq, T) for _ in range(3)]
     do_rows = (do.stride(0), G * do.stride(2), do.stride(1), do.stride(2))
+    x = torch.zeros(B * Hkv, T // 16 - 1, 16 * G, D, dtype=dtype).transpose(1, 2)
+    [(bh0, n, x, x_args)] = window_op._dq_launches(([(0, x)], 15 * G) if add else None, B * Hkv, lse)
     args = (tma_descriptor(window_op._kv_tiles(k)), tma_descriptor(window_op._kv_tiles(v)), q, do, dq, lse, delta,
-            gate, *sel_rows, R, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e), *q.stride()[:3], *do_rows,
-            *sel_rows[0].stride())
+            gate, *sel_rows, x, R, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e), bh0, *x_args[:3],
+            *q.stride()[:3], *do_rows, *sel_rows[0].stride(), *x_args[3:])
     return args, dict(G=G, BM=gluon_kernels.FWD_ROWS, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS,
-                      SEL=sel, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
+                      SEL=sel, ADD=add, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
 
 
-DQ_BUILDS = [(4, 64, "bfloat16", 128), (16, 64, "float16", 128), (4, 0, "bfloat16", 128), (1, 64, "bfloat16", 128),
-             (4, 64, "bfloat16", 64)]
+DQ_BUILDS = [(4, 64, "bfloat16", 128, False), (16, 64, "float16", 128, False), (4, 0, "bfloat16", 128, False),
+             (1, 64, "bfloat16", 128, False), (4, 64, "bfloat16", 64, False), (4, 64, "bfloat16", 128, True),
+             (16, 64, "bfloat16", 128, True), (4, 64, "bfloat16", 64, True)]
 
 
 FWD_BUILDS = [(4, 64, "bfloat16", 128), (16, 64, "float16", 128), (4, 0, "bfloat16", 128), (1, 64, "bfloat16", 128),
@@ -112,9 +118,9 @@ for G, local, dtype, D in FWD_BUILDS:
     args, kwargs = _fwd_args(G, local, getattr(torch, dtype), D)
     got[repr(("fwd", G, local, dtype, D))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
 from test_window_gluon import DQ_BUILDS, _dq_args
-for G, sel, dtype, D in DQ_BUILDS:
-    args, kwargs = _dq_args(G, sel, getattr(torch, dtype), D=D)
-    got[repr(("dq", G, sel, dtype, D))] = build_sm90(gluon_kernels._dq_gluon_kernel, args, kwargs)[1]
+for G, sel, dtype, D, add in DQ_BUILDS:
+    args, kwargs = _dq_args(G, sel, getattr(torch, dtype), D=D, add=add)
+    got[repr(("dq", G, sel, dtype, D, add))] = build_sm90(gluon_kernels._dq_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -150,13 +156,13 @@ def test_fwd_gluon_builds_for_sm90(sm90_builds, G, local, dtype, D):
 
 
 @needs_gluon
-@pytest.mark.parametrize("G, sel, dtype, D", DQ_BUILDS)
-def test_dq_gluon_builds_for_sm90(sm90_builds, G, sel, dtype, D):
+@pytest.mark.parametrize("G, sel, dtype, D, add", DQ_BUILDS)
+def test_dq_gluon_builds_for_sm90(sm90_builds, G, sel, dtype, D, add):
     """The warp-specialised dQ kernel compiles for Hopper at its cap of 128 registers a thread (split
     between the loader warp and the warpgroup), spilling a few words at most (as built: 32 bytes at
     G=4 with the local-slot term, 16 at G=1, none otherwise), within the shared memory of two
     programs per SM (as built: 104 KB)."""
-    got = sm90_builds[repr(("dq", G, sel, dtype, D))]
+    got = sm90_builds[repr(("dq", G, sel, dtype, D, add))]
     assert got["registers"] <= gluon_kernels.FWD_MAXNREG, got
     assert got["spill_stores"] <= 32, got
     assert 0 < got["shared_bytes"] <= SM90_SHARED_BYTES // 2, got
@@ -216,11 +222,12 @@ def test_dkdv_gluon_rows_outside_its_tiles_rejected():
 
 
 def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: str = "kv_gluon", pad: int = 0,
-                   D: int = 128, rows: int = 128):
+                   D: int = 128, rows: int = 128, add: bool = False):
     """The window backward in the gated node's mode (gate, delta, dO unfolded; with sel, the local
     slots' term) with launch_config's `key` (kv_gluon: the dK/dV kernel; dq_gluon: the dQ kernel)
     1 and 0, the other Gluon kernel off, on one set of inputs; q with `pad` rows past T * G; `rows`
-    the Gluon dK/dV kernel's tile rows (kv_gluon_BM)."""
+    the Gluon dK/dV kernel's tile rows (kv_gluon_BM); add: with rows of another dQ added (the
+    grouped compressed call's layout, one part per (b, kv head), from row 15 G on)."""
     W, L = 512, 64
     R, Hq = T * G, Hkv * G
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -235,8 +242,13 @@ def _backward_both(T: int, Hkv: int, G: int, dtype, sel: bool, seed: int, key: s
     by_head = lambda x: x.view(1, Hkv, T, G).permute(0, 1, 3, 2).reshape(1, Hq, T)  # noqa: E731
     sel_rows = (by_head(lse) / math.log2(math.e) + 0.3 * torch.rand(1, Hq, T, device="cuda", generator=gen),
                 0.7 * by_head(delta), torch.rand(1, Hq, T, device="cuda", generator=gen), L)
+    extra = None
+    if add:
+        Tc = max(1, (T - 16) // 16 + 1)
+        x = torch.randn(Hkv, Tc, 16 * G, D, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        extra = ([(i, x[i:i + 1]) for i in range(Hkv)], min(R, 15 * G))
     return [window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, {**cfg, key: use}, gate=gate, delta=delta,
-                               sel=sel_rows if sel else None) for use in (1, 0)]
+                               sel=sel_rows if sel else None, add=extra) for use in (1, 0)]
 
 
 def _plain_both(T: int, Hkv: int, G: int, dtype, seed: int, D: int = 128):
@@ -345,18 +357,21 @@ def test_fwd_gluon_against_triton(B, T, Hkv, G, W, dtype, D, local):
     (3001, 2, 2, torch.bfloat16, 128), (1000, 2, 8, torch.bfloat16, 128), (777, 3, 4, torch.float16, 128),
     (130, 1, 4, torch.bfloat16, 128), (4099, 1, 16, torch.bfloat16, 128), (2048, 2, 1, torch.float16, 128),
     (5, 1, 4, torch.bfloat16, 128), (3001, 3, 4, torch.bfloat16, 64), (1000, 1, 16, torch.float16, 64)])
-@pytest.mark.parametrize("sel", [False, True], ids=["window", "local-slots"])
-def test_dq_gluon_against_triton(T, Hkv, G, dtype, D, sel):
+@pytest.mark.parametrize("sel, add", [(False, False), (True, False), (True, True)],
+                         ids=["window", "local-slots", "local-slots-added-rows"])
+def test_dq_gluon_against_triton(T, Hkv, G, dtype, D, sel, add):
     """The gated node's dQ from the Gluon kernel against the Triton one's, on the same inputs (q with
     pad rows past T * G, which get zeros in both). Both form dS from the same fp32 quantities, fused
     differently, and round it to 16 bits for the dS K dot: a dS element may land on the neighbouring
     16-bit value, a relative 2^-8 of it, and a dQ element sums ~(W + 64) of them: as for the dK/dV
     kernel, the largest difference within 2^-7 of dQ's largest element and the relative L2
-    difference within 2^-10. dK and dV (the dK/dV kernel's, not this one's) equal."""
+    difference within 2^-10. dK and dV (the dK/dV kernel's, not this one's) equal. With another
+    dQ's rows added (the grouped compressed call's) in both before the rounding."""
     x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
     if not gluon_kernels.applies(x, x, G):
         pytest.skip("the Gluon kernel runs on Hopper (sm_90) only")
-    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, key="dq_gluon", pad=3, D=D)
+    got, want = _backward_both(T, Hkv, G, dtype, sel, seed=T + G, key="dq_gluon", pad=3, D=D, add=add)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), "dk, dv"
-    assert (got[0][:, :, T * G:] == 0).all(), "pad rows of dq"
+    if not add:  # (the added rows reach past T * G)
+        assert (got[0][:, :, T * G:] == 0).all(), "pad rows of dq"
     _compare(got[:1], want[:1], exact=False, names=("dq",))

@@ -150,7 +150,7 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
-    forced_local = _forces_local(block_indices, config, tiles)
+    forced_local = forces_local(block_indices, config, tiles)
     o_cmp, block_indices, _ = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles,
                                                         block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
@@ -254,7 +254,7 @@ def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_ind
     q_fold, scale, docs = qs.fold, qs.scale, qs.docs
     # The op's selection always holds the forced initial blocks; a given one may not.
     forced_initial = block_indices is None
-    forced_local = _forces_local(block_indices, config, tiles)
+    forced_local = forces_local(block_indices, config, tiles)
     G = q.shape[2] // Hkv
     block = tiles.selected_impl(T, G) == "block"
     if block:
@@ -301,7 +301,7 @@ def _gated_node(qs: _Queries, k_win, v_win, config: NSAConfig, tiles: FlexTiles,
             and window_op.local_fits(config.window, config.sel_block, qs.fold.shape[-1], v_win.shape[-1]))
 
 
-def _forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:
+def forces_local(block_indices, config: NSAConfig, tiles: FlexTiles) -> bool:
     """Whether the window op's partial over each token's own block and the one before may stand for
     those slots (tiles.local_partial): every token's selection lists both, as the selection op's
     own (not given) does with n_local = 2."""

@@ -94,12 +94,13 @@ def cudnn_forward(q, k, v, scale: float):
     return o, lse, seed, offset
 
 
-def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float):
+def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float, dq_parts: bool = False):
     """(dq, dk, dv) of cudnn_forward's call, in the calls backward_slices gives.
 
     A row split over calls of its heads (one kv head) gets its dK / dV as the sum of the calls' in
     fp32, one rounding more per call than one call would make (cuDNN returns each in q's dtype);
-    its dQ heads are the calls' own."""
+    its dQ heads are the calls' own. dq_parts: dq as [(first row, dq of the rows)], the calls' own
+    tensors where they split by rows (no copy into one dq)."""
     N, H, L, Dk = q.shape
     rows, heads = backward_slices(N, H, k.shape[1], L, Dk, v.shape[-1])
 
@@ -110,7 +111,8 @@ def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float):
 
     every = slice(None)
     if rows >= N and heads >= H:
-        return call(every, every)
+        dq, dk, dv = call(every, every)
+        return ([(0, dq)] if dq_parts else dq), dk, dv
     grads = []
     for i in range(0, N, rows):
         r = slice(i, i + rows)
@@ -120,7 +122,10 @@ def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float):
         parts = [call(r, slice(h, h + heads)) for h in range(0, H, heads)]
         dk, dv = (torch.stack([p[j] for p in parts]).float().sum(0).to(q.dtype) for j in (1, 2))
         grads.append((torch.cat([p[0] for p in parts], 1), dk, dv))
-    return tuple(torch.cat(parts) for parts in zip(*grads))
+    dk, dv = (torch.cat([g[j] for g in grads]) for j in (1, 2))
+    if dq_parts:
+        return [(i * rows, g[0]) for i, g in enumerate(grads)], dk, dv
+    return torch.cat([g[0] for g in grads]), dk, dv
 
 
 class _CudnnCausal(torch.autograd.Function):
@@ -273,9 +278,11 @@ def compressed_grouped_detached(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp
     return o, lse, Grouped(q4, k4, v4, lse4, seed, offset, cudnn)
 
 
-def grouped_backward(do4, o4, q4, k4, v4, lse4, seed, offset, cudnn: bool, scale: float):
+def grouped_backward(do4, o4, q4, k4, v4, lse4, seed, offset, cudnn: bool, scale: float, dq_parts: bool = False):
     """(dq4, dk4, dv4) of compressed_grouped_detached's call, from its output gradient do4 and output
-    o4 ([B*Hkv, dG, Tc, Dv], to_grouped of the folded rows) and the Grouped fields."""
+    o4 ([B*Hkv, dG, Tc, Dv], to_grouped of the folded rows) and the Grouped fields; dq_parts: dq4
+    as cudnn_backward gives it so."""
     if cudnn:
-        return cudnn_backward(do4, q4, k4, v4, o4, lse4, seed, offset, scale)
-    return causal_attention_backward(do4, q4, k4, v4, o4, lse4, scale)
+        return cudnn_backward(do4, q4, k4, v4, o4, lse4, seed, offset, scale, dq_parts)
+    dq, dk, dv = causal_attention_backward(do4, q4, k4, v4, o4, lse4, scale)
+    return ([(0, dq)] if dq_parts else dq), dk, dv

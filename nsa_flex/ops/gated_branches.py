@@ -21,13 +21,16 @@ itself:
 
 Where the compressed branch is the grouped call (flex.compressed_groups), the node also runs that
 call's backward (given `grouped`, the call made without a gradient of its own): right after the
-gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV, its dQ) come and go before the
-window and selected branches' exist. As separate nodes the compressed backward ran last, beside
-the others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md).
+gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV) come and go before the window
+and selected branches' exist. As separate nodes the compressed backward ran last, beside the
+others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md). The call's queries
+are q's own rows from cmp_head on (grouped.q, a view of q): the window's dQ kernel adds the
+call's dQ into q's gradient as it writes it, and that dQ is gone before the selected backward's
+partials exist (the g4 op's peak at 64k).
 
 The node trusts its selection: every token's block_indices must list its own block and the one
 before, and no block twice (the selection op's own selection with n_local = 2). So it is not public: the flex path
-calls it where that holds (flex.branches._forces_local). Off the kernels (impl="torch", or off
+calls it where that holds (flex.branches.forces_local). Off the kernels (impl="torch", or off
 CUDA) it runs the three ops' torch twins, which compute every slot themselves.
 """
 
@@ -91,6 +94,9 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
         if g.q.shape[:3] != (cmp_rows.shape[0] * cmp_rows.shape[1], cmp_rows.shape[2] // g.q.shape[2], g.q.shape[2]):
             raise ValueError(f"gated_branches: grouped queries {tuple(g.q.shape)} do not match cmp_rows "
                              f"{tuple(cmp_rows.shape)} ([B*Hkv, rows / Tc, Tc, Dk])")
+        if cmp_head + cmp_rows.shape[2] > q.shape[2]:
+            raise ValueError(f"gated_branches: the grouped call's queries are q's rows {cmp_head} .. "
+                             f"{cmp_head + cmp_rows.shape[2] - 1}, past q's {q.shape[2]} (q must be its q_room)")
         cmp = (g.q, g.k, g.v, g.lse, g.seed, g.offset, g.cudnn)
     if not is_byte_count(partial_bytes, zero=True):
         raise ValueError(f"gated_branches: partial_bytes={partial_bytes!r}; allowed: a byte count > 0, or 0 for the "
@@ -142,25 +148,30 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                    cmp_cudnn: bool = False,
                    partial_bytes: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d cmp_rows, d gates, and with q_cmp the grouped call's dq4, dk4, dv4; d cmp_rows
-    is then empty, and without q_cmp those three are)."""
+    is then empty, and without q_cmp those three are). dq4 is always empty: the grouped call's
+    queries are q's rows from cmp_head on, and dq holds their gradient (the window's dQ kernel adds
+    it before its one rounding, so that the call's dQ is gone before the selected backward's
+    partials exist: 256 MiB of the g4 op's peak at 64k, docs/decisions.md)."""
     q_heads = group * k.shape[2]
     do, = dense(do)  # once, for the three launches that read it
     if not window_op._runs_kernels(q, k, v, impl):
         o_sel = unfold(o_sel, k.shape[1])
         d_cmp, d_sel, d_win, d_gates = gated_sum_twin.backward(do, cmp_rows, cmp_head, o_sel, o_win, gates)
-        d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
-                                                cmp_cudnn, scale)
+        d_cmp, add, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed,
+                                                     cmp_offset, cmp_cudnn, scale, cmp_head)
         dq, dk, dv = window_op.twin.backward(d_win, q, k, v, group, window, scale)
         dqs, dks, dvs = selected_twin.backward(d_sel, _unfolded(q, k, q_heads), k, v, o_sel, lse_sel, block_indices,
                                                None, scale, sel_block)
-        return dq + fold(dqs, k.shape[2], rows=q.shape[2]), dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
+        dq = _with_rows(dq + fold(dqs, k.shape[2], rows=q.shape[2]), add)
+        return dq, dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
     d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(
         do, cmp_rows, cmp_head, o_sel, o_win, gates, cmp_apart=_cmp_apart(cmp_rows, q_cmp), sel_folded=True)
-    d_cmp, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
-                                            cmp_cudnn, scale)
+    d_cmp, add, cmp_grads = _compressed_backward(d_cmp, cmp_rows, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
+                                                 cmp_cudnn, scale, cmp_head)
     cfg = window_op.launch_config(q.shape[-1], v.shape[-1])
     grads = window_op.backward(do, q, k, v, o_win, lse_win, group, window, scale, cfg, gate=gate_win, delta=delta_win,
-                               sel=(lse_sel, delta_sel, gate_sel, sel_block))
+                               sel=(lse_sel, delta_sel, gate_sel, sel_block), add=add)
+    del add  # the grouped call's dQ, in grads[0] now
     dq, dk, dv = selected_launch.backward(do, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block,
                                           _sel_tiles(partial_bytes), q_heads=q_heads, gate=gate_sel, delta=delta_sel,
                                           skip_local=True, acc=grads, index=selected_launch.SavedIndex(*index))
@@ -190,18 +201,33 @@ def _cmp_apart(cmp_rows: Tensor, q_cmp) -> bool:
 
 
 def _compressed_backward(d_cmp: Tensor, cmp_rows: Tensor, q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed, cmp_offset,
-                         cmp_cudnn: bool, scale: float) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """(d cmp_rows, (dq4, dk4, dv4)): without the grouped call (q_cmp None), d_cmp and three empty
-    tensors; with it, the call's gradients from d_cmp and an empty d cmp_rows."""
+                         cmp_cudnn: bool, scale: float, cmp_head: int):
+    """(d cmp_rows, add, (dq4, dk4, dv4)). Without the grouped call (q_cmp None): d_cmp, None and
+    three empty tensors. With it, an empty d cmp_rows, the call's dQ as q's rows to add (window
+    backward's `add`: its parts from cmp_head on), and dq4 empty with the call's dk4, dv4."""
+    empty = lambda: d_cmp.new_empty(0)  # noqa: E731 (a tensor each: an op's outputs may not alias)
     if q_cmp is None:
-        return d_cmp, tuple(d_cmp.new_empty(0) for _ in range(3))
+        return d_cmp, None, (empty(), empty(), empty())
     # flex imports this module: the grouped call's code comes at call time.
     from nsa_flex.flex.compressed_groups import grouped_backward, to_grouped
 
     Tc = q_cmp.shape[2]
-    grads = grouped_backward(to_grouped(d_cmp, Tc), to_grouped(cmp_rows, Tc), q_cmp, k_cmp, v_cmp, lse_cmp, cmp_seed,
-                             cmp_offset, cmp_cudnn, scale)
-    return d_cmp.new_empty(0), grads
+    parts, dk4, dv4 = grouped_backward(to_grouped(d_cmp, Tc), to_grouped(cmp_rows, Tc), q_cmp, k_cmp, v_cmp, lse_cmp,
+                                       cmp_seed, cmp_offset, cmp_cudnn, scale, dq_parts=True)
+    return empty(), (parts, cmp_head), (empty(), dk4, dv4)
+
+
+def _with_rows(dq: Tensor, add) -> Tensor:
+    """dq [B, Hkv, R, Dk] folded with add's rows added (window backward's `add`; None: dq)."""
+    if add is None:
+        return dq
+    parts, head = add
+    B, Hkv, R, D = dq.shape
+    flat = dq.reshape(B * Hkv, R, D).clone()
+    for bh0, x in parts:
+        n, dG, Tc = x.shape[:3]
+        flat[bh0:bh0 + n, head:head + Tc * dG] += x.transpose(1, 2).reshape(n, Tc * dG, D).to(dq.dtype)
+    return flat.view(B, Hkv, R, D)
 
 
 with quiet_without_triton():
@@ -217,7 +243,7 @@ def _forward_fake(q, k, v, block_indices, cmp_rows, cmp_head, gates, group, wind
     Hq, Dv = Hkv * group, v.shape[-1]
     if window_op._runs_kernels(q, k, v, impl):
         shapes = selected_launch.saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, Hq,
-                                                    _sel_tiles(partial_bytes))
+                                                    _sel_tiles(partial_bytes), skip_local=True)
         index = [q.new_empty(shape, dtype=torch.int32) for shape in shapes]
     else:
         index = _no_index(q)
@@ -234,7 +260,7 @@ def _backward_fake(do, q, k, v, block_indices, cmp_rows, cmp_head, gates, o_sel,
     if q_cmp is None:
         return (*grads, torch.empty_like(cmp_rows, memory_format=torch.contiguous_format), d_gates,
                 *(cmp_rows.new_empty(0) for _ in range(3)))
-    return (*grads, cmp_rows.new_empty(0), d_gates, torch.empty_like(q_cmp, memory_format=torch.contiguous_format),
+    return (*grads, cmp_rows.new_empty(0), d_gates, q_cmp.new_empty(0),
             torch.empty_like(k_cmp, memory_format=torch.contiguous_format),
             torch.empty_like(v_cmp, memory_format=torch.contiguous_format))
 
@@ -260,7 +286,8 @@ def _backward(ctx, do, _do_sel, _dlse_sel, _do_win, _dlse_win, *_d_index):
         ctx.cmp_cudnn, ctx.partial_bytes)
     if cmp[0] is None:  # no grouped call: cmp_rows takes its gradient
         return dq, dk, dv, None, d_cmp, None, d_gates, *[None] * 13
-    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, dq_cmp, dk_cmp, dv_cmp, *[None] * 5
+    # The grouped call's queries are q's rows: dq holds their gradient (dq_cmp is empty).
+    return dq, dk, dv, None, None, None, d_gates, None, None, None, None, None, None, dk_cmp, dv_cmp, *[None] * 5
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)

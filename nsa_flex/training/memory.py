@@ -229,12 +229,13 @@ def _workspace_bytes(cfg: NSAModelConfig, B: int, T: int, impl: str, precision: 
     """The block-centric selected branch's buffers while one layer's forward or backward runs."""
     if impl != "flex" or not _block_centric(cfg, T, tiles):
         return 0
+    from nsa_flex.flex.branches import forces_local
     from nsa_flex.ops.selected_attention.launch import workspace_bytes
 
     n = cfg.nsa
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     return workspace_bytes(B, T, n.n_heads, n.n_kv_heads, n.n_selected, n.head_dim, n.dv, n.sel_block, dtype,
-                           tiles.sel_partial_bytes or 0)
+                           tiles.sel_partial_bytes or 0, skip_local=forces_local(None, n, tiles))
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -68,7 +68,7 @@ def _with_window_local(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, c
     The forward's kernels merge the partial in place of the slots listing those blocks, which they
     skip; the twin and the backward compute those slots themselves (the same values). A partial of
     other inputs, or a selection without those blocks, would give a wrong forward: the flex path
-    calls this only where both hold (flex.branches._forces_local).
+    calls this only where both hold (flex.branches.forces_local).
     """
     return _attend(q, k, v, block_indices, config, scale, None, impl, folded, local)
 

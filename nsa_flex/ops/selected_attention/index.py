@@ -24,18 +24,20 @@ from nsa_flex.blocks import document_of
 class SelectionIndex(NamedTuple):
     """CSR of the selection, grouped by (batch, kv head, virtual block).
 
-    Row r = (b * Hkv + h) * Nv + block. Entries hold t * n + slot, tokens ascending inside a row;
-    entries past offsets[-1] + counts[-1] are unused.
+    Row r = (b * Hkv + h) * Nv + block. Entries hold t * entry_stride(s) + place, tokens ascending
+    inside a row: each token's slots that read something come first in its row of gid_bhtn, in
+    slot order, and the kernels keep a (token, place)'s partial at that place (s places a token,
+    build_index's `slots`). Entries past offsets[-1] + counts[-1] are unused.
     """
 
     gid_bhtn: Tensor
-    """[B, Hkv, T, n] int32: the virtual block of each slot, -1 where the slot reads nothing."""
+    """[B, Hkv, T, s] int32: the virtual blocks each token reads, in slot order, then -1."""
     counts: Tensor
     """[B*Hkv*Nv] int32: entries per row."""
     offsets: Tensor
     """[B*Hkv*Nv] int32: first entry of each row (exclusive cumsum of counts)."""
     entries: Tensor
-    """[B*Hkv*T*n] int32: t * n + slot, grouped by row."""
+    """[B*Hkv*T*s] int32: t * entry_stride(s) + place, grouped by row."""
     blk_start: Tensor
     """[Nv] int32: first key token of each virtual block."""
     blk_end: Tensor
@@ -58,13 +60,21 @@ class WorkList(NamedTuple):
     n_items: Tensor
 
 
+def entry_stride(slots: int) -> int:
+    """What an entry's token is multiplied by: slots rounded up to a power of two, so that the
+    kernels split an entry with a shift and a mask (with 14 places a division by 14 cost the
+    selected op's Gluon kernels 2-3% at g4, 64k on an H100, docs/decisions.md)."""
+    return 1 << max(0, slots - 1).bit_length()
+
+
 def num_virtual_blocks(T: int, sel_block: int, n_docs: int) -> int:
     """Nv: a bound on the documents' blocks, sum of ceil(len_d / l') <= ceil(T / l') + n_docs."""
     return -(-T // sel_block) + n_docs
 
 
 def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None = None,
-                positions: Tensor | None = None, seq_len: int | None = None, unique: bool = False) -> SelectionIndex:
+                positions: Tensor | None = None, seq_len: int | None = None, unique: bool = False,
+                slots: int | None = None) -> SelectionIndex:
     """The SelectionIndex of block_indices [B, Hkv, T, n] (document-local ids with cu_seqlens, B == 1).
 
     Slots with -1, or with a block past the end of the token's document, read nothing. A token
@@ -73,7 +83,12 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     the virtual blocks span the whole sequence. positions is a tensor, not an offset, so a
     compiled index serves every range of one length without recompiling. unique: no row lists a
     block twice (the selection op's own output), so the repeat check is left out (its n x n
-    compares took ~160 us at g4, 64k on an H100, more than the sorts).
+    compares took ~160 us at g4, 64k on an H100, more than the sorts). slots (default n): the
+    places a token has (SelectionIndex); a caller whose tokens each have at most `slots` slots
+    that read something passes fewer than n (the gated node's selections, whose two local slots
+    read nothing: launch.partial_slots), and the partials, the sort and the merges shrink by
+    slots / n. A token's used slots past that many read nothing rather than reach another
+    token's partials.
     """
     B, Hkv, T, n = block_indices.shape
     device = block_indices.device
@@ -96,7 +111,15 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     if not unique:
         earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
         ok &= ~((j[..., :, None] == j[..., None, :]) & earlier).any(-1)
+    # Each used slot's place among its token's used slots; the row keeps them there, in slot order
+    # (the unused ones all go to one more place, cut off: -1 each).
+    rank = torch.cumsum(ok.to(torch.int32), -1) - 1
+    slots = n if slots is None else slots
+    ok = ok & (rank < slots)
     gid = torch.where(ok, first_blk[doc_t][:, None] + j, -1)
+    place = torch.where(ok, rank, slots).long()
+    gid = torch.full((B, Hkv, T, slots + 1), -1, dtype=gid.dtype, device=device).scatter(-1, place, gid)[..., :slots]
+    ok = gid >= 0
 
     # Row of every (b, h, t, slot); unused slots sort last into a spare row.
     rows = B * Hkv * Nv
@@ -107,8 +130,9 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
     key_dtype = torch.int16 if rows < 2 ** 15 - 1 else torch.int32
     key = torch.where(ok, bh * Nv + gid, rows).flatten().to(key_dtype)
     sorted_key, order = torch.sort(key, stable=True)
-    # The flat position of an entry is ((b * Hkv + h) * T + t) * n + slot: its low part is t * n + slot.
-    entries = (order % (T * n)).to(torch.int32)
+    # The flat position of an entry is ((b * Hkv + h) * T + t) * slots + place.
+    low = order % (T * slots)
+    entries = (low // slots * entry_stride(slots) + low % slots).to(torch.int32)
     # Row r's entries are the run of key r in the sorted keys; the run bounds by binary search (a
     # scatter-add of ones would serialise on the rows every token reads, block 0 and the local ones).
     bounds = torch.searchsorted(sorted_key.to(torch.int32), torch.arange(rows + 1, device=device, dtype=torch.int32))
@@ -119,7 +143,8 @@ def build_index(block_indices: Tensor, sel_block: int, cu_seqlens: Tensor | None
 
 
 def work_list(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
-    """Split every row of index into items of at most span entries.
+    """Split every row of index into items of at most span entries (T tokens with at most n
+    entries each: the index's slots).
 
     There are at most B*Hkv*(ceil(T*n / span) + Nv) items (each row wastes less than one item),
     a bound from shapes only: the grid has that many programs and the surplus ones exit at once.

@@ -12,7 +12,8 @@ merge_kernels.py merges per token. Backward: P = exp(S - lse) from the global ls
 accumulate in registers over the item's chunks; a block's only item writes them itself, others
 go to an fp32 partial per item, summed per block in item order by _block_sum_kernel
 (deterministic, no atomics); dQ goes to a partial per (token, slot), which merge_kernels.py sums
-over the slots.
+over the slots. A token's partials lie at the places of its row of the index, its used slots
+first (index.SelectionIndex: entries hold t * N + place, N a power of two >= the places).
 
 The launches may cover a token range [T0, T0 + T') of the sequence (launch.py splits long
 sequences so the partial buffers stay bounded): entries and the partial buffers are local to

@@ -15,8 +15,8 @@ from torch import Tensor
 from nsa_flex.folded import group_strides
 from nsa_flex.ops.capped_launch import launch
 from nsa_flex.ops.selected_attention import gluon_kernels, kernels, merge_kernels
-from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, max_work_items, \
-    num_virtual_blocks, split_items_bound, work_list
+from nsa_flex.ops.selected_attention.index import SelectionIndex, WorkList, build_index, entry_stride, \
+    max_work_items, num_virtual_blocks, split_items_bound, work_list
 from nsa_flex.ops.triton_utils import dense, next_pow2
 
 if kernels.HAS_TRITON:
@@ -116,6 +116,15 @@ def launch_config(G: int, Dk: int, Dv: int, dtype: torch.dtype, tokens: int = 0)
             "fwd_maxnreg": 168 if wide_rows and long else 128 if small and long else 0, "bwd_maxnreg": 0, "range_tokens": 0, "partial_bytes": 0, "fwd_gluon": 1, "bwd_gluon": 1}
 
 
+def partial_slots(n: int, skip_local: bool) -> int:
+    """Places a token has in the index and the partials (index.build_index's `slots`): n, or with
+    skip_local n - 2. There each token's two local slots read nothing (the window op's local
+    partial stands for them), and the selection lists both (the gated node's contract) with no
+    block twice, so at most n - 2 of its slots read a block: at g4, 64k the dQ partials of a
+    range take 896 MiB instead of 1 GiB (docs/decisions.md)."""
+    return max(1, n - 2) if skip_local else n
+
+
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     """The partial o / dQ buffers' dtype: the inputs' own. A 16-bit partial is one rounding of a
     block's normalised output (or a slot's dQ) before the fp32 merge, against fp32 partials it
@@ -124,7 +133,8 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, tiles: dict | None = None) -> int:
-    """Tokens per range: the partial buffer [B, range, Hq, n, D] within tiles["partial_bytes"]
+    """Tokens per range: the partial buffer [B, range, Hq, n, D] (n partial slots a token,
+    partial_slots) within tiles["partial_bytes"]
     (0 or absent: PARTIAL_BYTES), a multiple of 64 tokens (at least 64), or all T when that fits
     (at least 1: T = 0 has no ranges). The fewest ranges that fit, of even length: at seeds-125m's
     heads and 64k two of 32k tokens (768 MiB of partials) rather than 43648 and 21888 (1 GiB, the
@@ -144,28 +154,30 @@ def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, ti
 
 
 def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int, sel_block: int,
-                    dtype: torch.dtype, partial_bytes: int = 0) -> int:
+                    dtype: torch.dtype, partial_bytes: int = 0, skip_local: bool = False) -> int:
     """The op's own buffers while its forward or backward runs (the larger), for memory estimates;
-    partial_bytes as the tile key (0: PARTIAL_BYTES)."""
+    partial_bytes as the tile key (0: PARTIAL_BYTES), skip_local as forward / backward take it."""
     cfg = launch_config(Hq // Hkv, Dk, Dv, dtype, B * T)
-    R = min(T, range_tokens(B, T, Hq, n, max(Dk, Dv), dtype, {"partial_bytes": partial_bytes}))
+    slots = partial_slots(n, skip_local)
+    R = min(T, range_tokens(B, T, Hq, slots, max(Dk, Dv), dtype, {"partial_bytes": partial_bytes}))
     part = partial_dtype(dtype).itemsize
     # Index of one range: entries and block ids (int32), the sort's keys (16-bit, sorted, an int32
     # copy for the row search) and its int64 order.
-    index = 24 * B * Hkv * R * n
-    forward = B * R * Hq * n * (part * Dv + 4)
+    index = 24 * B * Hkv * R * slots
+    forward = B * R * Hq * slots * (part * Dv + 4)
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
-    items = _partial_items(B * Hkv, R, n, span, num_virtual_blocks(T, sel_block, 1))
+    items = _partial_items(B * Hkv, R, slots, span, num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
     # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
     ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
-    backward = B * R * Hq * n * part * Dk + dkv + ranges + 4 * B * T * Hq
+    backward = B * R * Hq * slots * part * Dk + dkv + ranges + 4 * B * T * Hq
     return int(index + max(forward, backward))
 
 
 def _partial_items(BH: int, R: int, n: int, span: int, Nv: int) -> int:
-    """Rows of the backward's fp32 dK/dV partial buffers for a range of R tokens: only the items of
+    """Rows of the backward's fp32 dK/dV partial buffers for a range of R tokens with at most n
+    used slots each: only the items of
     blocks with several write one, and the work list puts those first (index.split_items_bound);
     at most all of its items."""
     return min(max_work_items(BH, R, n, span, Nv), split_items_bound(BH * R * n, span))
@@ -236,12 +248,12 @@ class SavedIndex(NamedTuple):
     """The forward's SelectionIndex of every token range, packed for the backward, which then
     builds only its work items (the index is the same; its sort and repeat check are ~90 us a
     range at g4, 64k). Range i of ranges [t0, t1) (_ranges) is gid[:, :, t0:t1], counts[i],
-    offsets[i] and entries[B*Hkv*n*t0 : B*Hkv*n*t1]; blk_start / blk_end are every range's."""
+    offsets[i] and entries[B*Hkv*s*t0 : B*Hkv*s*t1]; blk_start / blk_end are every range's."""
 
     gid: Tensor
-    """[B, Hkv, T, n] int32."""
+    """[B, Hkv, T, s] int32 (s = partial_slots)."""
     entries: Tensor
-    """[B*Hkv*T*n] int32."""
+    """[B*Hkv*T*s] int32."""
     counts: Tensor
     """[ranges, B*Hkv*Nv] int32."""
     offsets: Tensor
@@ -253,16 +265,17 @@ class SavedIndex(NamedTuple):
 
 
 def saved_index_shapes(B: int, T: int, Hkv: int, n: int, sel_block: int, q: Tensor, k: Tensor, v: Tensor,
-                       q_heads: int = 0, tiles: dict | None = None) -> SavedIndex:
-    """The shapes of forward(keep_index=True)'s SavedIndex for these inputs and tiles (one sequence
-    a row), as tuples in its fields: for fake implementations."""
+                       q_heads: int = 0, tiles: dict | None = None, skip_local: bool = False) -> SavedIndex:
+    """The shapes of forward(keep_index=True)'s SavedIndex for these inputs, tiles and skip_local
+    (one sequence a row), as tuples in its fields: for fake implementations."""
     Hq = query_heads(q, q_heads)
     cfg = _tiles(q, k, v, Hq // Hkv, tiles)
-    R = range_tokens(B, T, Hq, n, max(q.shape[-1], v.shape[-1]), q.dtype, cfg)
+    slots = partial_slots(n, skip_local)
+    R = range_tokens(B, T, Hq, slots, max(q.shape[-1], v.shape[-1]), q.dtype, cfg)
     Nv = num_virtual_blocks(T, sel_block, 1)
     ranges = len(_ranges(T, R)) if T > 0 else 0
-    return SavedIndex((B, Hkv, T, n), (B * Hkv * T * n, ), (ranges, B * Hkv * Nv), (ranges, B * Hkv * Nv), (Nv, ),
-                      (Nv, ))
+    return SavedIndex((B, Hkv, T, slots), (B * Hkv * T * slots, ), (ranges, B * Hkv * Nv), (ranges, B * Hkv * Nv),
+                      (Nv, ), (Nv, ))
 
 
 def _pack(indices: list[SelectionIndex]) -> SavedIndex:
@@ -309,7 +322,8 @@ def forward(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: int, ti
     if not keep_index:
         return o, lse
     if not indices:  # T = 0: no ranges, an index of saved_index_shapes' empty shapes
-        shapes = saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, q_heads, tiles)
+        shapes = saved_index_shapes(B, T, Hkv, block_indices.shape[-1], sel_block, q, k, v, q_heads, tiles,
+                                    local is not None)
         return o, lse, SavedIndex(*(torch.zeros(shape, dtype=torch.int32, device=q.device) for shape in shapes))
     return o, lse, _pack(indices)
 
@@ -325,10 +339,11 @@ def forward_gated(q, k, v, block_indices, cu_seqlens, scale: float, sel_block: i
     o = torch.empty(B, T, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
     for po, plse, index, t0 in _forward_ranges(q, k, v, block_indices, cu_seqlens, scale, sel_block, tiles, q_heads,
                                                local is not None):
-        _, Tr, _, n, D = po.shape
+        _, Tr, _, _, D = po.shape
         if B * Tr * Hq == 0:
             continue
         gid = index.gid_bhtn
+        n = gid.shape[-1]
         GP = next_pow2(Hq // Hkv)
         DP = max(16, next_pow2(D))
         loc, loc_lse, loc_strides = _local_args(local, index)
@@ -368,19 +383,20 @@ def _forward_ranges(q, k, v, block_indices, cu_seqlens, scale: float, sel_block:
     B, T, Hkv = k.shape[:3]
     Hq = query_heads(q, q_heads)
     G, n, Dv = Hq // Hkv, block_indices.shape[-1], v.shape[-1]
+    slots = partial_slots(n, skip_local)
     cfg = _tiles(q, k, v, G, tiles)
-    consts = _constexprs(q, v, G, sel_block, n, cfg["fwd_BT"])
-    R = range_tokens(B, T, Hq, n, max(q.shape[-1], Dv), q.dtype, cfg)
+    consts = _constexprs(q, v, G, sel_block, entry_stride(slots), cfg["fwd_BT"])
+    R = range_tokens(B, T, Hq, slots, max(q.shape[-1], Dv), q.dtype, cfg)
     kernel, how = _pass_kernel(cfg, "fwd", q, v, consts)
     for t0, t1 in _ranges(T, R):
         selection = _range_of(block_indices, t0, t1)
         if skip_local:
             selection = without_local(selection, sel_block, t0)
         index, items = index_and_items(selection, sel_block, cu_seqlens, cfg["fwd_BT"] * cfg["fwd_chunks"], t0, T,
-                                       unique)
+                                       unique, slots)
         # The range's own buffers (not views of one buffer): see kernels.py on views.
-        po = torch.empty(B, t1 - t0, Hq, n, Dv, dtype=partial_dtype(q.dtype), device=q.device)
-        plse = torch.empty(B, t1 - t0, Hq, n, dtype=torch.float32, device=q.device)
+        po = torch.empty(B, t1 - t0, Hq, slots, Dv, dtype=partial_dtype(q.dtype), device=q.device)
+        plse = torch.empty(B, t1 - t0, Hq, slots, dtype=torch.float32, device=q.device)
         if items.blk.shape[0] > 0:
             launch(kernel, (items.blk.shape[0],),
                    q, k, v, po, plse, index.entries, items.blk, items.start, items.end, index.blk_start,
@@ -409,9 +425,10 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
     Hq, Dk = query_heads(q, q_heads), q.shape[-1]
     G, n = Hq // Hkv, block_indices.shape[-1]
     folded = q_heads > 0
+    slots = partial_slots(n, skip_local)
     cfg = _tiles(q, k, v, G, tiles)
-    consts = _constexprs(q, v, G, sel_block, n, cfg["bwd_BT"])
-    R = range_tokens(B, T, Hq, n, max(Dk, v.shape[-1]), q.dtype, cfg)
+    consts = _constexprs(q, v, G, sel_block, entry_stride(slots), cfg["bwd_BT"])
+    R = range_tokens(B, T, Hq, slots, max(Dk, v.shape[-1]), q.dtype, cfg)
     ranges = _ranges(T, R)
     if index is not None and index.counts.shape[0] != len(ranges):
         raise ValueError(f"backward: the saved index has {index.counts.shape[0]} token ranges, these inputs "
@@ -445,13 +462,13 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             selection = _range_of(block_indices, t0, t1)
             if skip_local:
                 selection = without_local(selection, sel_block, t0)
-            range_index, items = index_and_items(selection, sel_block, cu_seqlens, span, t0, T)
+            range_index, items = index_and_items(selection, sel_block, cu_seqlens, span, t0, T, slots=slots)
         else:
             range_index = _unpack(index, len(ranges) - 1 - i, t0, t1)
-            items = work_items(range_index, span, t1 - t0, n)
+            items = work_items(range_index, span, t1 - t0, slots)
         W, Nv = items.blk.shape[0], range_index.blk_start.shape[0]
-        dqp = torch.empty(B, t1 - t0, Hq, n, Dk, dtype=partial_dtype(q.dtype), device=q.device)
-        P = _partial_items(B * Hkv, t1 - t0, n, span, Nv)
+        dqp = torch.empty(B, t1 - t0, Hq, slots, Dk, dtype=partial_dtype(q.dtype), device=q.device)
+        P = _partial_items(B * Hkv, t1 - t0, slots, span, Nv)
         dkp = torch.empty(P, consts["BL"], consts["DKP"], dtype=torch.float32, device=q.device)
         dvp = torch.empty(P, consts["BL"], consts["DVP"], dtype=torch.float32, device=q.device)
         # One range: no sums; the index's counts and offsets (int32 tensors no other argument
@@ -499,9 +516,10 @@ def _delta(do: Tensor, o: Tensor) -> Tensor:
     return delta
 
 
-def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int, unique: bool):
-    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len, unique)
-    return index, work_list(index, span, block_indices.shape[2], block_indices.shape[3])
+def _index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, positions, seq_len: int, unique: bool,
+                     slots: int):
+    index = build_index(block_indices, sel_block, cu_seqlens, positions, seq_len, unique, slots)
+    return index, work_list(index, span, block_indices.shape[2], slots)
 
 
 _COMPILED = {fn: torch.compile(fn, dynamic=False) for fn in (_index_and_items, work_list)}
@@ -524,18 +542,18 @@ def _compiled_or_plain(fn, x: Tensor, *args):
 
 
 def index_and_items(block_indices, sel_block: int, cu_seqlens, span: int, t0: int, seq_len: int,
-                    unique: bool = False):
+                    unique: bool = False, slots: int = 0):
     """(SelectionIndex, WorkList) of the token range [t0, t0 + T') whose selection is block_indices
-    [B, Hkv, T', n] (see _compiled_or_plain; unique as build_index takes it)."""
+    [B, Hkv, T', n] (see _compiled_or_plain; unique and slots as build_index takes them, 0: n)."""
     positions = None
     if cu_seqlens is not None:  # a single sequence needs no positions (every token is in it)
         positions = torch.arange(t0, t0 + block_indices.shape[2], device=block_indices.device)
     return _compiled_or_plain(_index_and_items, block_indices, block_indices, sel_block, cu_seqlens, span, positions,
-                              seq_len, unique)
+                              seq_len, unique, slots or block_indices.shape[-1])
 
 
 def work_items(index: SelectionIndex, span: int, T: int, n: int) -> WorkList:
-    """The WorkList of a range's index (see _compiled_or_plain)."""
+    """The WorkList of a range's index, its tokens' used slots at most n (see _compiled_or_plain)."""
     return _compiled_or_plain(work_list, index.entries, index, span, T, n)
 
 
@@ -554,11 +572,12 @@ def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int,
     get zeros (rows of a folded dQ past the sequence). acc (sum only): add to what out holds.
     local_in_out: out is the local partial's own buffer (forward(into_local=True)), read there row
     by row."""
-    B, T, Hq, n, D = part.shape
+    B, T, Hq, _, D = part.shape
     if B * (T + pad) * Hq == 0:
         return
     merge = plse is not None
     gid = index.gid_bhtn
+    n = gid.shape[-1]
     Hkv = gid.shape[1]
     G = Hq // Hkv
     # Without merge the lse pointers are never read or written: pass the index's block ids (an

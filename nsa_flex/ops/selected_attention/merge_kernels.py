@@ -1,7 +1,8 @@
 """Triton kernels of nsa_flex::selected_attention that work per token: the slots' merge and sum.
 
 kernels.py leaves n partials per (token, query head) of a range: the forward's block-local o and
-lse, the backward's dQ. _slot_kernel merges the forward's in fp32 (softmax-weighted by their
+lse, the backward's dQ, one per place of the token's row of the index (index.SelectionIndex:
+its used slots first). _slot_kernel merges the forward's in fp32 (softmax-weighted by their
 lse, with the window op's local partial where given) or sums the dQ partials; _slot_gated_kernel
 merges like it and adds the gated sum of the three branches (forward without gradients).
 _delta_kernel computes the backward's delta = rowsum(dO * O). Strides and token ranges as in

@@ -183,7 +183,7 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
              scale: float, cfg: dict[str, int], *, gate: Tensor | None = None, delta: Tensor | None = None,
-             sel: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             sel: tuple | None = None, add: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it.
 
     do: the window output's gradient, folded like o. With gate (the window's gate per row, fp32
@@ -192,7 +192,11 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     rowsum(dO * o) comes given. sel (with gate): (lse_sel, delta_sel, gate_sel [B, Hq, T] fp32,
     lse in natural log, delta_sel = rowsum(dO * o_sel), l'): the kernels also add the selected
     branch's gradient over each row's two local blocks, whose keys they score anyway (W >= 2 l',
-    l' a multiple of the dQ kernel's key blocks)."""
+    l' a multiple of the dQ kernel's key blocks). add: None, or (parts, head) with another gradient
+    of q's rows, which dQ takes before its one rounding: the grouped compressed call's dQ
+    (compressed_groups.grouped_backward's dq_parts: (first (b, kv head), X [n, dG, Tc, Dk]), folded
+    row head + s * dG + j of that (b, kv head) + i being X[i, j, s]); so that dQ is never alive
+    beside the later branches' buffers."""
     if cfg.get("kv_gluon") and cfg["kv_gluon_BM"] not in gluon_kernels.DKDV_ROWS:
         raise ValueError(f"window backward: kv_gluon_BM={cfg['kv_gluon_BM']!r}; the Gluon dK/dV kernel's tiles "
                          f"take {' or '.join(map(str, gluon_kernels.DKDV_ROWS))} rows")
@@ -231,19 +235,22 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     scale2 = scale * math.log2(math.e)
     common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
               *o.stride()[:3], *do_rows, *sel_strides)
-    if gated and T > 0 and cfg.get("dq_gluon") and gluon_kernels.applies(q, v, group):
-        # The gated node's dQ in the Gluon forward's form (the opaque op makes the descriptors).
-        BM = gluon_kernels.FWD_ROWS
-        launch(gluon_kernels._dq_gluon_kernel, (-(-q.shape[2] // BM), B * Hkv), _kv_tiles(k), _kv_tiles(v), q, do, dq,
-               lse, delta, gate, *sel_args, q.shape[2], T, R, Hkv, window, scale, scale2, *q.stride()[:3], *do_rows,
-               *sel_strides, writes=(dq,), opaque=True, G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=Dk,
-               NB=gluon_kernels.FWD_BUFFERS, SEL=sel_block, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
-    else:
-        BM = cfg["dq_BM"]
-        wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), B * Hkv)](
-            q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, q.shape[2], *common, G=group, BM=BM,
-            BN=cfg["dq_BN"], DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=not q.is_cuda,
-            num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
+    gluon_dq = gated and T > 0 and cfg.get("dq_gluon") and gluon_kernels.applies(q, v, group)
+    for bh0, n_bh, x, x_args in _dq_launches(add, B * Hkv, lse):
+        if gluon_dq:
+            # The gated node's dQ in the Gluon forward's form (the opaque op makes the descriptors).
+            BM = gluon_kernels.FWD_ROWS
+            launch(gluon_kernels._dq_gluon_kernel, (-(-q.shape[2] // BM), n_bh), _kv_tiles(k), _kv_tiles(v), q, do,
+                   dq, lse, delta, gate, *sel_args, x, q.shape[2], T, R, Hkv, window, scale, scale2, bh0, *x_args[:3],
+                   *q.stride()[:3], *do_rows, *sel_strides, *x_args[3:], writes=(dq,), opaque=True, G=group, BM=BM,
+                   BN=gluon_kernels.FWD_KEYS, D=Dk, NB=gluon_kernels.FWD_BUFFERS, SEL=sel_block, ADD=add is not None,
+                   num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
+        else:
+            BM = cfg["dq_BM"]
+            wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), n_bh)](
+                q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, x, q.shape[2], *common[:6], bh0, *x_args[:3],
+                *common[6:], *x_args[3:], G=group, BM=BM, BN=cfg["dq_BN"], DK=Dk, DV=Dv, GATED=gated, SEL=sel_block,
+                F32_DOT=not q.is_cuda, ADD=add is not None, num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
     if T == 0:
         return dq, dk, dv
     kv_args = (q, k, v, do, lse, delta, dk, dv, gate_arg, *sel_args, *common)
@@ -258,6 +265,21 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
             *kv_args, G=group, BM=cfg["kv_BM"], BN=BN, DK=Dk, DV=Dv, GATED=gated, SEL=sel_block,
             F32_DOT=not q.is_cuda, num_warps=cfg["kv_warps"], num_stages=cfg["kv_stages"])
     return dq, dk, dv
+
+
+def _dq_launches(add: tuple | None, BH: int, stand_in: Tensor):
+    """(first (b, kv head), count, X, (head, dG, rows, 3 strides of X)) of each dQ launch: one over
+    all BH without add (X unread: stand_in takes its place), else one per part of add (backward)."""
+    if add is None:
+        return [(0, BH, stand_in, (0, 1, 0, 0, 0, 0))]
+    parts, head = add
+    launches = []
+    for bh0, x in parts:
+        n, dG, Tc = x.shape[:3]
+        launches.append((bh0, n, x, (head, dG, dG * Tc, x.stride(0), x.stride(1), x.stride(2))))
+    if sum(n for _, n, _, _ in launches) != BH:
+        raise ValueError(f"backward: add's parts cover {sum(n for _, n, _, _ in launches)} (b, kv head) rows of {BH}")
+    return launches
 
 
 with quiet_without_triton():

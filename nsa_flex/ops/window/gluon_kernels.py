@@ -93,10 +93,10 @@ if HAS_GLUON:
         return kb
 
     @gluon.jit
-    def _tile_band(T, Hkv, W, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    def _tile_band(T, Hkv, W, BH0, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
         """(bh, b, kv head h, first row, first token t0, last token t1 < T, first key block of the
-        band) of the BM-row tile program_id(0) of (b, h) = program_id(1)."""
-        bh = gl.program_id(1)
+        band) of the BM-row tile program_id(0) of (b, h) = BH0 + program_id(1)."""
+        bh = BH0 + gl.program_id(1)
         row0 = gl.program_id(0) * BM
         t0 = row0 // G
         t1 = gl.minimum((row0 + BM - 1) // G, T - 1)
@@ -211,7 +211,7 @@ if HAS_GLUON:
         program_id(1), as kernels._fwd_kernel gives them (no tile may cross a selection block:
         forward_applies). q_desc: folded q as [B*Hkv*Rq, D] in [BM, D] tiles; k_desc / v_desc: k, v
         as [B*T, Hkv*D] in [BN, D] tiles. 4 warps and a loader warp."""
-        bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, G, BM, BN)
+        bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, 0, G, BM, BN)
         start0 = first
         if LOCAL > 0:
             # The local blocks (the token's own and the one before) lead, so their softmax is the
@@ -237,13 +237,14 @@ if HAS_GLUON:
         ], [1], [24])
 
     @gluon.jit
-    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS,
-                     bh, b, h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, s_qb, s_qh, s_qr,
-                     s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     D: gl.constexpr, SEL: gl.constexpr):
+    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X,
+                     bh, b, h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, xi, XH, XG, XN, s_qb,
+                     s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb, s_xj, s_xs, G: gl.constexpr,
+                     BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, SEL: gl.constexpr, ADD: gl.constexpr):
         """The dQ warpgroup: the tile's q and dO rows into shared memory, then per key block S = q K^T
         and dP = dO V^T (both issued before either is waited for), dS in fp32 and dQ += dS K (dS
-        from registers); the block's buffers go back to the loader once its dQ dot is done."""
+        from registers); the block's buffers go back to the loader once its dQ dot is done. ADD:
+        X's rows added before the rounding (kernels._added_rows; this (b, h) is X[xi])."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BN, 16])
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -301,20 +302,27 @@ if HAS_GLUON:
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_q), k_buf, dq, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             mbarrier.arrive(empty.index(idx), count=1)
-        dq_st = gl.convert_layout((dq * sc).to(DQ.dtype.element_ty), ld)
-        gl.store(DQ + (bh.to(gl.int64) * RQ + r64)[:, None] * D + c[None, :], dq_st, mask=(r < RQ)[:, None])
+        dq = gl.convert_layout(dq * sc, ld)
+        if ADD:
+            x = r - XH
+            x_ok = (x >= 0) & (x < XN)
+            x = gl.maximum(x, 0).to(gl.int64)
+            at = X + xi.to(gl.int64) * s_xb + (x % XG)[:, None] * s_xj + (x // XG)[:, None] * s_xs + c[None, :]
+            dq += gl.load(at, mask=x_ok[:, None], other=0.0).to(gl.float32)
+        gl.store(DQ + (bh.to(gl.int64) * RQ + r64)[:, None] * D + c[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=(r < RQ)[:, None])
 
     @gluon.jit
-    def _dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, RQ, T, R, Hkv, W, scale,
-                         scale2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                         G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
-                         SEL: gl.constexpr):
+    def _dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale,
+                         scale2, BH0, XH, XG, XN, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                         s_xb, s_xj, s_xs, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                         NB: gl.constexpr, SEL: gl.constexpr, ADD: gl.constexpr):
         """dQ [B, Hkv, RQ, D] (contiguous; zero at rows R .. RQ - 1) of the BM-row tile program_id(0) of
-        (b, kv head) program_id(1), as kernels._dq_kernel gives it in the gated node's mode (GATED:
-        DO the gated sum's output gradient by (s_db, s_dh, s_dt, s_dg), GW the window's gate and
-        DELTA its delta per row; SEL as there). k_desc / v_desc: k, v as [B*T, Hkv*D] in [BN, D]
-        tiles. 4 warps and a loader warp."""
-        bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, G, BM, BN)
+        (b, kv head) BH0 + program_id(1), as kernels._dq_kernel gives it in the gated node's mode
+        (GATED: DO the gated sum's output gradient by (s_db, s_dh, s_dt, s_dg), GW the window's gate
+        and DELTA its delta per row; SEL and ADD as there). k_desc / v_desc: k, v as [B*T, Hkv*D] in
+        [BN, D] tiles. 4 warps and a loader warp."""
+        bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, BH0, G, BM, BN)
         n_blocks = gl.maximum(gl.cdiv(t1 + 1 - first, BN), 0)
         lo = first
         if SEL > 0:
@@ -332,8 +340,9 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS,
-                            GS, bh, b.to(gl.int64), h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks,
-                            s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, G, BM, BN, D, SEL)),
+                            GS, X, bh, b.to(gl.int64), h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks,
+                            bh - BH0, XH, XG, XN, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb,
+                            s_xj, s_xs, G, BM, BN, D, SEL, ADD)),
             (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * T, h * D, first, n_blocks, first,
                           n_blocks, BN)),
         ], [1], [24])

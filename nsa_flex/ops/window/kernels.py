@@ -43,10 +43,10 @@ if HAS_TRITON:
                        mask=keys[None, :] < T, other=0.0)
 
     @triton.jit
-    def _row_program(T, R, Hkv, G: tl.constexpr, BM: tl.constexpr):
+    def _row_program(T, R, Hkv, G: tl.constexpr, BM: tl.constexpr, BH0):
         """(bh, b, kv head h, rows [BM], rows < R, their tokens, first token t0, last token t1 < T)
-        of the row tile program_id(0) of (b, h) = program_id(1)."""
-        bh = tl.program_id(1)
+        of the row tile program_id(0) of (b, h) = BH0 + program_id(1)."""
+        bh = BH0 + tl.program_id(1)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         t0 = tl.program_id(0) * BM // G
         t1 = tl.minimum((tl.program_id(0) * BM + BM - 1) // G, T - 1)
@@ -108,7 +108,7 @@ if HAS_TRITON:
         # Under Inductor a float argument arrives as a constexpr (a Python float, fp64 in the
         # arithmetic): fp32 it must be, for the loop-carried row max.
         sc2 = tl.cast(scale2, tl.float32)
-        bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM)
+        bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM, 0)
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
@@ -204,20 +204,21 @@ if HAS_TRITON:
         return dq + dot(ds.to(kt.dtype), tl.trans(kt), F32_DOT, False)
 
     @triton.jit
-    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, GW, LSES, DELTAS, GS, RQ, T, R, Hkv, W, scale, scale2,
-                   s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
-                   s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+    def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale, scale2,
+                   BH0, XH, XG, XN, s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                   s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb, s_xj, s_xs,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr):
-        """dQ [B, Hkv, RQ, DK] of a row tile (zero at rows R .. RQ - 1). DO's rows by (s_db, s_dh,
-        s_dt, s_dg) (see _rows4). Without GATED: DO is the window's output gradient and the kernel
-        writes delta of its rows from O. GATED: DO is the gated sum's, GW the window's gate per row
-        ([B, Hkv, R] fp32, LSE's layout), DELTA holds delta = rowsum(dO * O) already (O unread), and
-        with SEL > 0 the selected branch's term over the local keys (LSES, DELTAS, GS: its lse,
-        delta and gate, [B, Hq, T] fp32)."""
+                   GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, ADD: tl.constexpr = False):
+        """dQ [B, Hkv, RQ, DK] of a row tile (zero at rows R .. RQ - 1) of (b, h) = BH0 +
+        program_id(1). DO's rows by (s_db, s_dh, s_dt, s_dg) (see _rows4). Without GATED: DO is the
+        window's output gradient and the kernel writes delta of its rows from O. GATED: DO is the
+        gated sum's, GW the window's gate per row ([B, Hkv, R] fp32, LSE's layout), DELTA holds
+        delta = rowsum(dO * O) already (O unread), and with SEL > 0 the selected branch's term over
+        the local keys (LSES, DELTAS, GS: its lse, delta and gate, [B, Hq, T] fp32). ADD: another
+        gradient of these rows is added before the one rounding (_added_rows; X unread without)."""
         sc = tl.cast(scale, tl.float32)
         sc2 = tl.cast(scale2, tl.float32)
-        bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM)
+        bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM, BH0)
         q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
         do = _rows4(DO, b, h, rows, rows_ok, s_db, s_dh, s_dt, s_dg, G, DV)
         if GATED:
@@ -257,8 +258,23 @@ if HAS_TRITON:
                 dq = _dq_step(q, do, lse2, delta, gw, dq, b, h, n0, tok, K, V, T, W, sc2, s_kb, s_kt, s_kh, s_vb,
                               s_vt, s_vh, True, BN, DK, DV, F32_DOT, GATED)
         dk_ = tl.arange(0, DK)
+        dq = dq * sc
+        if ADD:
+            dq += _added_rows(X, bh - BH0, rows, XH, XG, XN, s_xb, s_xj, s_xs, DK)
         tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
-                 (dq * sc).to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
+                 dq.to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
+
+    @triton.jit
+    def _added_rows(X, i, rows, XH, XG, XN, s_xb, s_xj, s_xs, D: tl.constexpr):
+        """[BM, D] fp32: the rows of another gradient of the folded q, laid out as the grouped
+        compressed call's dQ (flex.compressed_groups): folded row XH + s * XG + j is X[i, j, s],
+        for XN rows from row XH on; zero elsewhere. i: the (b, kv head)'s place in X."""
+        x = rows - XH
+        ok = (x >= 0) & (x < XN)
+        x = tl.maximum(x, 0).to(tl.int64)
+        d = tl.arange(0, D)
+        at = X + i.to(tl.int64) * s_xb + (x % XG)[:, None] * s_xj + (x // XG)[:, None] * s_xs + d[None, :]
+        return tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
     def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, scale2,
