@@ -25,8 +25,8 @@ if kernels.HAS_TRITON:
 TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_warps", "fwd_stages", "bwd_stages",
              "fwd_maxnreg", "bwd_maxnreg", "range_tokens", "partial_bytes", "fwd_gluon", "bwd_gluon")
 
-# The partial buffers (o in the forward, dQ in the backward: n partials per token and query
-# head) of one token range stay under this many bytes; longer sequences run range by range.
+# The partial buffers (o in the forward, dQ in the backward: partial_slots() partials per token
+# and query head) of one token range stay under this many bytes; longer sequences run range by range.
 # At T=64k, G=4 (H100) 1 GiB ranges (16k tokens) took 7.26 / 14.59 ms forward / backward against
 # 7.78 / 16.28 with 512 MiB: fuller work items, fewer index builds (docs/decisions.md). The default
 # of the op, whose peak they are; tiles["partial_bytes"] sets another (a model in training, where
@@ -566,8 +566,9 @@ def _tracing(x: Tensor) -> bool:
 
 def _slot_sum(part, plse, index: SelectionIndex, out, out_strides, lse, t0: int, pad: int = 0, local=None,
               acc: bool = False, local_in_out: bool = False) -> None:
-    """out[b, t0 + t, hq] = the n slots' partials of (b, t, hq) of the range merged (forward, plse
-    given; with the local partial when given, as forward takes it) or summed (dQ, plse None);
+    """out[b, t0 + t, hq] = the partials of (b, t, hq) of the range (one a place of its index row)
+    merged (forward, plse given; with the local partial when given, as forward takes it) or summed
+    (dQ, plse None);
     out_strides as nsa_flex.folded.group_strides gives them. pad: that many tokens after the range
     get zeros (rows of a folded dQ past the sequence). acc (sum only): add to what out holds.
     local_in_out: out is the local partial's own buffer (forward(into_local=True)), read there row
