@@ -191,6 +191,13 @@ def to_grouped(rows: torch.Tensor, groups: int) -> torch.Tensor:
     return rows.view(B, Hkv, groups, dG, D).transpose(2, 3).reshape(B * Hkv, dG, groups, D)
 
 
+def from_grouped(x4: torch.Tensor) -> torch.Tensor:
+    """The call's [N, dG, Tc, D] (position I, head j) as folded rows [N, Tc*dG, D] (row I*dG + j):
+    to_grouped's inverse, a view where x4 is laid out as the call's queries."""
+    N, dG, Tc, D = x4.shape
+    return x4.transpose(1, 2).reshape(N, Tc * dG, D)
+
+
 def _operands(q_fold, k_cmp, v_cmp, config: NSAConfig, q_room):
     """(q4 [B*Hkv, dG, Tc, Dk] a view of q_room's rows, k4 / v4 [B*Hkv, 1, Tc, D], head rows)."""
     B, Hkv, rows, Dk = q_fold.shape
@@ -214,7 +221,7 @@ def _results(o4, lse4, config: NSAConfig, B: int, Hkv: int, T: int, head: int) -
     N, dG, Tc, Dv = o4.shape
     G, d = config.group_size, config.cmp_stride
     # cuDNN lays its output out like q4 (a group's rows innermost): then this is a view.
-    o = o4.view(B, Hkv, dG, Tc, Dv).transpose(2, 3).reshape(B, Hkv, Tc * dG, Dv)
+    o = from_grouped(o4).view(B, Hkv, Tc * dG, Dv)
     # lse4 [B*Hkv, d*G, Tc], head j*G + g of group I -> lse [B, Hkv*G, T] at token l - 1 + I*d + j.
     lse = lse4.reshape(B, Hkv, d, G, Tc).permute(0, 1, 3, 4, 2).reshape(B, Hkv * G, Tc * d)[..., :T - head // G]
     lse = torch.cat([lse.new_full((B, Hkv * G, head // G), float("-inf")), lse.float()], dim=-1)

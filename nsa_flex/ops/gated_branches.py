@@ -221,12 +221,14 @@ def _with_rows(dq: Tensor, add) -> Tensor:
     """dq [B, Hkv, R, Dk] folded with add's rows added (window backward's `add`; None: dq)."""
     if add is None:
         return dq
+    from nsa_flex.flex.compressed_groups import from_grouped
+
     parts, head = add
     B, Hkv, R, D = dq.shape
     flat = dq.reshape(B * Hkv, R, D).clone()
     for bh0, x in parts:
-        n, dG, Tc = x.shape[:3]
-        flat[bh0:bh0 + n, head:head + Tc * dG] += x.transpose(1, 2).reshape(n, Tc * dG, D).to(dq.dtype)
+        rows = from_grouped(x)
+        flat[bh0:bh0 + rows.shape[0], head:head + rows.shape[1]] += rows.to(dq.dtype)
     return flat.view(B, Hkv, R, D)
 
 
