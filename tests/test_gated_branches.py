@@ -349,3 +349,18 @@ def test_grouped_call_must_match_cmp_rows():
     with pytest.raises(ValueError, match=r"grouped queries \(1, 64, 4, 32\) do not match cmp_rows"):
         gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
                        grouped=short)
+
+
+def test_grouped_call_must_read_rows_of_q():
+    """The grouped call's queries are q's own rows from cmp_head on (their gradient goes into q's):
+    a q without the rows the call reads past T * G (the folded queries, not their q_room) is
+    refused, naming the rows."""
+    from nsa_flex.flex import compressed_groups
+
+    cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
+    q_fold = x["q_room"][:, :, :400]
+    rows, _, grouped = compressed_groups.compressed_grouped_detached(q_fold, x["k_cmp"], x["v_cmp"], cfg, 0.2, False,
+                                                                     q_room=x["q_room"])
+    assert rows.head + rows.x.shape[2] > 400
+    with pytest.raises(ValueError, match=r"grouped call's queries are q's rows 124 \.\. 443, past q's 400"):
+        gated_branches(q_fold, x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch", grouped=grouped)
