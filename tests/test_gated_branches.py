@@ -3,8 +3,8 @@
 The node's torch twin in fp64 against the three ops composed by autograd (window_attention,
 selected_attention, gated_sum), which have their own tests against the reference; the Triton
 kernels (under Triton's interpreter on CPU) against the twin, output and every gradient, with
-awkward groups, pad rows, a compressed buffer held from a late row and gates that are negative or
-zero; opcheck; the errors.
+awkward groups, a compressed buffer held from a late row and gates that are negative or zero;
+opcheck; the errors. The node reads q [B, T, Hq, D] itself (no folded copy).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ def local_selection(B, Hkv, T, n, LB, seed=0) -> torch.Tensor:
     return out
 
 
-def make_case(B, T, Hkv, G, D, LB, W, n, extra=3, head=5, signed=False, dtype=torch.float32, seed=1):
+def make_case(B, T, Hkv, G, D, LB, W, n, head=5, signed=False, dtype=torch.float32, seed=1):
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=D, head_dim_v=D, sel_block=LB, cmp_block=16,
                     cmp_stride=16, n_selected=n, window=W)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, G * Hkv, D, generator=g)
-    x = {"q": fold(q, Hkv, rows=T * G + extra), "k": torch.randn(B, T, Hkv, D, generator=g),
+    x = {"q": q, "k": torch.randn(B, T, Hkv, D, generator=g),
          "v": torch.randn(B, T, Hkv, D, generator=g),
          "cmp_rows": torch.randn(B, Hkv, T * G - head + 7, D, generator=g),
          "gates": torch.rand(B, T, G * Hkv, 3, generator=g)}
@@ -72,8 +72,9 @@ def three_ops(cfg, x, bi, head, do):
     """The same function through the three ops and autograd (their twins)."""
     leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
     G = cfg.n_heads // cfg.n_kv_heads
-    o_win = window_attention(leaves["q"], leaves["k"], leaves["v"], G, cfg.window, impl="torch")
-    o_sel = selected_attention(leaves["q"], leaves["k"], leaves["v"], bi, cfg, folded=True, impl="torch")
+    o_win = window_attention(fold(leaves["q"], cfg.n_kv_heads), leaves["k"], leaves["v"], G, cfg.window,
+                             impl="torch")
+    o_sel = selected_attention(leaves["q"], leaves["k"], leaves["v"], bi, cfg, impl="torch")
     o = gated_sum(leaves["cmp_rows"], head, o_sel, o_win, leaves["gates"], impl="torch")
     return (o.detach(), *torch.autograd.grad(o, [leaves[n] for n in NAMES], do))
 
@@ -141,7 +142,7 @@ def _check_o_sel_folded(impl):
     cfg, x, bi, head, _ = make_case(1, 150, 2, 4, 64, 32, 64, 6)
     o, o_sel, o_win = gated_branches(x["q"], x["k"], x["v"], bi, cfg, x["cmp_rows"], head, x["gates"], impl=impl,
                                      return_branches=True)
-    want = fold(selected_attention(x["q"], x["k"], x["v"], bi, cfg, folded=True, impl="torch"), 2)
+    want = fold(selected_attention(x["q"], x["k"], x["v"], bi, cfg, impl="torch"), 2)
     assert o_sel.shape == o_win.shape == (1, 2, 150 * 4, 64)
     torch.testing.assert_close(o_sel, want, atol=2e-5, rtol=2e-5)
     again = gated_sum(x["cmp_rows"], head, o_sel, o_win, x["gates"], impl="torch", sel_folded=True)
@@ -205,7 +206,7 @@ def test_backward_launches_refuse_what_they_cannot_take():
     from nsa_flex.ops.selected_attention import launch
 
     cfg, x, bi, head, do = make_case(1, 70, 1, 2, 64, 32, 64, 4)
-    q, k, v = x["q"], x["k"], x["v"]
+    q, k, v = fold(x["q"], 1), x["k"], x["v"]
     wcfg = window_op.launch_config(64, 64)
     lse_w = torch.zeros(1, 1, 140)
     stats = torch.zeros(1, 2, 70)
@@ -227,15 +228,13 @@ def test_backward_launches_refuse_what_they_cannot_take():
 # ----- the grouped compressed call's backward inside the node -----
 
 def grouped_case(B, T, Hkv, G, D, LB, W, n, dtype=torch.float64, seed=2):
-    """(cfg, leaves q_room / k / v / k_cmp / v_cmp / gates, selection, do) for the node with the grouped
-    compressed call: q_room the folded queries with the rows that call reads (grouped_rows)."""
-    from nsa_flex.flex.compressed_groups import grouped_rows
-
+    """(cfg, leaves q / k / v / k_cmp / v_cmp / gates, selection, do) for the node with the grouped
+    compressed call."""
     cfg = NSAConfig(n_heads=G * Hkv, n_kv_heads=Hkv, head_dim=D, head_dim_v=D, sel_block=LB, n_selected=n, window=W)
     Tc = (T - cfg.cmp_block) // cfg.cmp_stride + 1
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, G * Hkv, D, generator=g, dtype=dtype)
-    x = {"q_room": fold(q, Hkv, rows=grouped_rows(T * G, cfg, Tc)),
+    x = {"q": q,
          "k": torch.randn(B, T, Hkv, D, generator=g, dtype=dtype),
          "v": torch.randn(B, T, Hkv, D, generator=g, dtype=dtype),
          "k_cmp": torch.randn(B, Tc, Hkv, D, generator=g, dtype=dtype),
@@ -248,21 +247,26 @@ def grouped_case(B, T, Hkv, G, D, LB, W, n, dtype=torch.float64, seed=2):
 
 def with_grouped(cfg, x, bi, impl, detached: bool):
     """The node's output: the grouped call made without a gradient and its backward in the node
-    (detached), or the call through autograd and its output's gradient out of the node."""
+    (detached), or the call through autograd and its output's gradient out of the node. The call
+    reads q folded with the rows it reads past T*G (q_room, as the flex path makes it)."""
+    rows, grouped = _grouped_call(cfg, x, detached)
+    return gated_branches(x["q"], x["k"], x["v"], bi, cfg, rows.x, rows.head, gates=x["gates"], impl=impl,
+                          grouped=grouped)
+
+
+def _grouped_call(cfg, x, detached: bool = True):
     from nsa_flex.flex import compressed_groups
 
-    T, G = x["k"].shape[1], cfg.n_heads // cfg.n_kv_heads
-    q_fold = x["q_room"][:, :, :T * G]
+    T, G, Tc = x["k"].shape[1], cfg.n_heads // cfg.n_kv_heads, x["k_cmp"].shape[1]
+    q_room = fold(x["q"], cfg.n_kv_heads, rows=compressed_groups.grouped_rows(T * G, cfg, Tc))
     scale = cfg.head_dim ** -0.5
     if detached:
-        rows, _, grouped = compressed_groups.compressed_grouped_detached(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale,
-                                                                         False, q_room=x["q_room"])
-    else:
-        rows, _ = compressed_groups.compressed_grouped(q_fold, x["k_cmp"], x["v_cmp"], cfg, scale,
-                                                       q_room=x["q_room"])
-        grouped = None
-    return gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, gates=x["gates"], impl=impl,
-                          grouped=grouped)
+        rows, _, grouped = compressed_groups.compressed_grouped_detached(q_room[:, :, :T * G], x["k_cmp"], x["v_cmp"],
+                                                                         cfg, scale, False, q_room=q_room)
+        return rows, grouped
+    rows, _ = compressed_groups.compressed_grouped(q_room[:, :, :T * G], x["k_cmp"], x["v_cmp"], cfg, scale,
+                                                   q_room=q_room)
+    return rows, None
 
 
 @pytest.mark.parametrize("G,Hkv,T", [(4, 2, 150), (3, 1, 203), (16, 1, 64)], ids=["G4-T150", "G3-T203", "G16-T64"])
@@ -297,7 +301,7 @@ def test_node_takes_the_grouped_calls_backward_interpreted(apart, monkeypatch):
     if apart:
         monkeypatch.setattr(compressed_groups, "CUDNN_BACKWARD_BYTES", 1)
     cfg, x, bi, do = grouped_case(1, 130, 1, 4, 64, 32, 64, 4, dtype=torch.float32)
-    assert node_module._cmp_apart(x["q_room"], x["q_room"]) == apart
+    assert node_module._cmp_apart(x["q"], x["k_cmp"]) == apart
     o = with_grouped(cfg, x, bi, "triton", detached=True)
     o_ref = with_grouped(cfg, x, bi, "torch", detached=False)
     names = list(x)
@@ -310,14 +314,10 @@ def test_node_takes_the_grouped_calls_backward_interpreted(apart, monkeypatch):
 def test_grouped_call_needs_cmp_rows_without_gradient():
     """The node given the grouped call refuses cmp_rows that need a gradient: the call's own
     gradients stand for it, and that one would be lost."""
-    from nsa_flex.flex import compressed_groups
-
     cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
-    q_fold = x["q_room"][:, :, :400]
-    rows, _, grouped = compressed_groups.compressed_grouped_detached(q_fold, x["k_cmp"], x["v_cmp"], cfg, 0.2, False,
-                                                                     q_room=x["q_room"])
+    rows, grouped = _grouped_call(cfg, x)
     with pytest.raises(ValueError, match="needs none"):
-        gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x.clone().requires_grad_(), rows.head, x["gates"],
+        gated_branches(x["q"], x["k"], x["v"], bi, cfg, rows.x.clone().requires_grad_(), rows.head, x["gates"],
                        impl="torch", grouped=grouped)
 
 
@@ -340,27 +340,20 @@ def test_backward_deltas_cmp_apart_equals_one_launch():
 def test_grouped_call_must_match_cmp_rows():
     """A grouped call whose queries do not cover cmp_rows' rows (here another call's) is refused,
     naming both shapes."""
-    from nsa_flex.flex import compressed_groups
-
     cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
-    rows, _, grouped = compressed_groups.compressed_grouped_detached(x["q_room"][:, :, :400], x["k_cmp"], x["v_cmp"],
-                                                                     cfg, 0.2, False, q_room=x["q_room"])
+    rows, grouped = _grouped_call(cfg, x)
     short = grouped._replace(q=grouped.q[:, :, :-1])
     with pytest.raises(ValueError, match=r"grouped queries \(1, 64, 4, 32\) do not match cmp_rows"):
-        gated_branches(x["q_room"], x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
+        gated_branches(x["q"], x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
                        grouped=short)
 
 
-def test_grouped_call_must_read_rows_of_q():
-    """The grouped call's queries are q's own rows from cmp_head on (their gradient goes into q's):
-    a q without the rows the call reads past T * G (the folded queries, not their q_room) is
-    refused, naming the rows."""
-    from nsa_flex.flex import compressed_groups
-
+def test_node_refuses_folded_queries():
+    """The node reads q [B, T, Hq, Dk] itself: a folded q (the layout the Flex calls take) is
+    refused, naming the shape it needs, not read as another shape."""
     cfg, x, bi, _ = grouped_case(1, 100, 1, 4, 32, 32, 64, 4)
-    q_fold = x["q_room"][:, :, :400]
-    rows, _, grouped = compressed_groups.compressed_grouped_detached(q_fold, x["k_cmp"], x["v_cmp"], cfg, 0.2, False,
-                                                                     q_room=x["q_room"])
-    assert rows.head + rows.x.shape[2] > 400
-    with pytest.raises(ValueError, match=r"grouped call's queries are q's rows 124 \.\. 443, past q's 400"):
-        gated_branches(q_fold, x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch", grouped=grouped)
+    rows, grouped = _grouped_call(cfg, x)
+    folded_q = fold(x["q"].detach(), 1)
+    with pytest.raises(ValueError, match=r"q \(1, 1, 400, 32\) must be \[B, T, Hq, Dk\] = \[1, 100, 4, Dk\]"):
+        gated_branches(folded_q, x["k"], x["v"], bi, cfg, rows.x, rows.head, x["gates"], impl="torch",
+                       grouped=grouped)

@@ -150,6 +150,37 @@ def test_backward_adds_another_gradient_of_the_rows_interpreted(poisoned):
         window_op.backward(do, q, k, v, o, lse, G, W, D ** -0.5, cfg, add=([(0, x[:3])], head))
 
 
+@interpreter
+@pytest.mark.parametrize("G, LB", [(4, 32), (3, 32)], ids=["G4", "G3-tiles-cross-blocks"])
+def test_launches_read_q_unfolded_interpreted(G, LB, poisoned):
+    """forward / backward(folded=False) read q [B, T, Hq, D] in place (the gated node's q) and give
+    dQ in that layout: o, lse, the local partial, dQ (unfolded), dK and dV equal the folded q's bit
+    for bit, in the gated mode with the local-slot term and another dQ's rows added (the node's
+    backward), B = 2 so that batch strides differ from the folded ones."""
+    B, T, Hkv, D, W = 2, 100, 2, 32, 64
+    R, Hq = T * G, Hkv * G
+    q, k, v, _ = make_inputs(B, T, Hkv, G, D, D, torch.float32, seed=6)
+    q_btd = unfold(q, T).contiguous()
+    cfg = window_op.launch_config(D, D)
+    cfg = {**cfg, "fwd_BN": 16, "dq_BN": 16}
+    fwd = [window_op.forward(x, k, v, G, W, D ** -0.5, cfg, LB, folded=f) for x, f in ((q, True), (q_btd, False))]
+    for name, a, b in zip(("o", "lse", "o_loc", "lse_loc"), *fwd):
+        assert torch.equal(a, b), name
+    o, lse = fwd[0][:2]
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(B, T, Hq, D, generator=gen)
+    gate, delta = torch.rand(B, Hkv, R, generator=gen), torch.randn(B, Hkv, R, generator=gen)
+    sel = (torch.randn(B, Hq, T, generator=gen), torch.randn(B, Hq, T, generator=gen),
+           torch.rand(B, Hq, T, generator=gen), LB)
+    x = torch.randn(B * Hkv, 12, 8 * G, D, generator=gen).transpose(1, 2)
+    add = ([(0, x)], 5)
+    bwd = [window_op.backward(do, xq, k, v, o, lse, G, W, D ** -0.5, cfg, gate=gate, delta=delta, sel=sel, add=add,
+                              folded=f) for xq, f in ((q, True), (q_btd, False))]
+    assert bwd[1][0].shape == q_btd.shape and torch.equal(unfold(bwd[0][0], T), bwd[1][0]), "dq"
+    assert torch.equal(bwd[0][1], bwd[1][1]) and torch.equal(bwd[0][2], bwd[1][2]), "dk, dv"
+    assert bwd[0][0].abs().max() > 0 and bwd[0][1].abs().max() > 0
+
+
 SMALL_TILES = [  # (G, row tiles, fwd / dq key blocks, dK/dV key blocks)
     pytest.param(3, 32, 16, 32, id="G3-rows-split-tokens"),
     # One token per 16-row tile: tiles start at every token, so every edge of the loops' parts occurs.

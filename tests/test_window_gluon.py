@@ -28,10 +28,12 @@ needs_gluon = pytest.mark.skipif(not gluon_kernels.HAS_GLUON, reason="needs Trit
 def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512,
                D: int = 128):
     """Positional and constexpr arguments of one launch on CPU tensors of real dtypes and strides,
-    as window_op.backward makes them (gated: dO unfolded [B, T, Hq, D])."""
+    as window_op.backward makes them (gated: dO and q unfolded [B, T, Hq, D], as the gated node
+    gives them)."""
     B = 1
     R, Hq = T * G, G * Hkv
-    q = torch.zeros(B, Hkv, R, D, dtype=dtype)
+    q = torch.zeros(B, T, Hq, D, dtype=dtype) if gated else torch.zeros(B, Hkv, R, D, dtype=dtype)
+    o = torch.zeros(B, Hkv, R, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
     lse, delta, gate = (torch.zeros(B, Hkv, R) for _ in range(3))
     sel_rows = [torch.zeros(B, Hq, T) for _ in range(3)]
@@ -43,7 +45,8 @@ def _dkdv_args(G: int, gated: bool, sel: int, dtype=torch.bfloat16, T: int = 102
         do = torch.zeros(B, Hkv, R, D, dtype=dtype)
         do_rows = (do.stride(0), do.stride(1), G * do.stride(2), do.stride(2))
     args = (q, k, v, do, lse, delta, dk, dv, gate, *sel_rows, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *q.stride()[:3], *do_rows, *sel_rows[0].stride())
+            *window_op._row_strides(q, G, not gated), *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do_rows,
+            *sel_rows[0].stride())
     BM = window_op.launch_config(D, D)["kv_gluon_BM"]
     return args, dict(G=G, BM=BM, BN=gluon_kernels.DKDV_KEYS, DK=D, DV=D, GATED=gated, SEL=sel,
                       F32_DOT=False, num_warps=BM // 16)
@@ -55,18 +58,19 @@ BUILDS = [(4, True, 64, "bfloat16", 128), (16, True, 64, "float16", 128), (4, Fa
 
 def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1024, Hkv: int = 2, W: int = 512):
     """Positional and constexpr arguments of one forward launch on CPU tensors, as window_op.forward
-    makes them (the TMA descriptors as the opaque op's body makes them)."""
+    makes them (the TMA descriptors as the opaque op's body makes them; with a local partial q
+    unfolded [B, T, Hq, D], as the gated node gives it, else folded)."""
     from nsa_flex.ops.capped_launch import TmaView, tma_descriptor
 
     B, BM, BN = 1, gluon_kernels.FWD_ROWS, gluon_kernels.FWD_KEYS
     R = T * G
-    q = torch.zeros(B, Hkv, R, D, dtype=dtype)
+    q = torch.zeros(B, T, G * Hkv, D, dtype=dtype) if local else torch.zeros(B, Hkv, R, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
     o, lse = torch.zeros(B, Hkv, R, D, dtype=dtype), torch.zeros(B, Hkv, R)
     o_loc, lse_loc = (torch.zeros_like(o), torch.zeros_like(lse)) if local else (q.new_empty(0), torch.empty(0))
     kv = lambda x: tma_descriptor(TmaView(x, (B * T, Hkv * D), (Hkv * D, 1), (BN, D)))  # noqa: E731
-    args = (tma_descriptor(TmaView(q, (B * Hkv * R, D), (D, 1), (BM, D))), kv(k), kv(v), o, lse, o_loc, lse_loc,
-            T, R, R, Hkv, W, D ** -0.5 * math.log2(math.e))
+    args = (q, kv(k), kv(v), o, lse, o_loc, lse_loc, T, R, Hkv, W, D ** -0.5 * math.log2(math.e),
+            *window_op._row_strides(q, G, not local))
     return args, dict(G=G, BM=BM, BN=BN, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local, num_warps=4,
                       maxnreg=gluon_kernels.FWD_MAXNREG)
 
@@ -74,14 +78,15 @@ def _fwd_args(G: int, local: int, dtype=torch.bfloat16, D: int = 128, T: int = 1
 def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2, W: int = 512, D: int = 128,
              add: bool = False):
     """Positional and constexpr arguments of one gated dQ launch on CPU tensors, as window_op.backward
-    makes them (dO unfolded [B, T, Hq, D]; the TMA descriptors as the opaque op's body makes them);
+    makes them (dO and q unfolded [B, T, Hq, D], dQ in q's layout; the TMA descriptors as the opaque
+    op's body makes them);
     add: with the grouped compressed call's dQ added (its [B*Hkv, 16 G, T / 16 - 1, D] rows from
     row 15 G on)."""
     from nsa_flex.ops.capped_launch import tma_descriptor
 
     B = 1
     R, Hq = T * G, G * Hkv
-    q = torch.zeros(B, Hkv, R, D, dtype=dtype)
+    q = torch.zeros(B, T, Hq, D, dtype=dtype)
     k, v = torch.zeros(B, T, Hkv, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
     do, dq = torch.zeros(B, T, Hq, D, dtype=dtype), torch.zeros_like(q)
     lse, delta, gate = (torch.zeros(B, Hkv, R) for _ in range(3))
@@ -91,7 +96,7 @@ def _dq_args(G: int, sel: int, dtype=torch.bfloat16, T: int = 1024, Hkv: int = 2
     [(bh0, n, x, x_args)] = window_op._dq_launches(([(0, x)], 15 * G) if add else None, B * Hkv, lse)
     args = (tma_descriptor(window_op._kv_tiles(k)), tma_descriptor(window_op._kv_tiles(v)), q, do, dq, lse, delta,
             gate, *sel_rows, x, R, T, R, Hkv, W, D ** -0.5, D ** -0.5 * math.log2(math.e), bh0, *x_args[:3],
-            *q.stride()[:3], *do_rows, *sel_rows[0].stride(), *x_args[3:])
+            *window_op._row_strides(q, G, False), *do_rows, *sel_rows[0].stride(), *x_args[3:])
     return args, dict(G=G, BM=gluon_kernels.FWD_ROWS, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS,
                       SEL=sel, ADD=add, num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
 
@@ -375,3 +380,39 @@ def test_dq_gluon_against_triton(T, Hkv, G, dtype, D, sel, add):
     if not add:  # (the added rows reach past T * G)
         assert (got[0][:, :, T * G:] == 0).all(), "pad rows of dq"
     _compare(got[:1], want[:1], exact=False, names=("dq",))
+
+
+@gpu
+@pytest.mark.parametrize("B, T, Hkv, G, D", [(2, 3001, 2, 4, 128), (1, 1000, 1, 16, 128), (1, 777, 3, 4, 64),
+                                             (1, 130, 2, 1, 128)])
+def test_gluon_launches_read_q_unfolded(B, T, Hkv, G, D):
+    """The gated node's launches with q [B, T, Hq, D] read in place (folded=False) against the same
+    launches with q folded, launch_config's kernels (Gluon where they apply): o, lse, the local
+    partial, dQ (in q's layout), dK and dV equal bit for bit, with the local-slot term and the
+    grouped call's dQ rows added."""
+    dtype, W, L = torch.bfloat16, 512, 64
+    R, Hq = T * G, Hkv * G
+    x = torch.zeros(1, 1, 1, D, dtype=dtype, device="cuda")
+    if not gluon_kernels.forward_applies(x, x, G, L):
+        pytest.skip("the Gluon kernels run on Hopper (sm_90) only")
+    gen = torch.Generator(device="cuda").manual_seed(T + G)
+    q = torch.randn(B, T, Hq, D, device="cuda", generator=gen).to(dtype)
+    q_fold = q.view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, R, D)
+    k, v = (torch.randn(B, T, Hkv, D, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    cfg = window_op.launch_config(D, D)
+    fwd = [window_op.forward(xq, k, v, G, W, D ** -0.5, cfg, L, folded=f) for xq, f in ((q_fold, True), (q, False))]
+    for name, a, b in zip(("o", "lse", "o_loc", "lse_loc"), *fwd):
+        assert torch.equal(a, b), name
+    o, lse = fwd[0][:2]
+    do = torch.randn(B, T, Hq, D, device="cuda", generator=gen).to(dtype)
+    gate, delta = torch.rand(B, Hkv, R, device="cuda", generator=gen), torch.randn(B, Hkv, R, device="cuda")
+    by_head = lambda y: y.view(B, Hkv, T, G).permute(0, 1, 3, 2).reshape(B, Hq, T)  # noqa: E731
+    sel = (by_head(lse) / math.log2(math.e) + 0.3, 0.7 * by_head(delta), torch.rand(B, Hq, T, device="cuda"), L)
+    Tc = max(1, (T - 16) // 16 + 1)
+    xa = torch.randn(B * Hkv, Tc, 16 * G, D, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+    add = ([(i, xa[i:i + 1]) for i in range(B * Hkv)], min(R, 15 * G))
+    bwd = [window_op.backward(do, xq, k, v, o, lse, G, W, D ** -0.5, cfg, gate=gate, delta=delta, sel=sel, add=add,
+                              folded=f) for xq, f in ((q_fold, True), (q, False))]
+    dq_fold = bwd[0][0][:, :, :R].reshape(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
+    assert torch.equal(dq_fold, bwd[1][0]), "dq"
+    assert torch.equal(bwd[0][1], bwd[1][1]) and torch.equal(bwd[0][2], bwd[1][2]), "dk, dv"

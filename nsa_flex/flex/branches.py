@@ -265,9 +265,10 @@ def _branches(q, k, v, k_cmp, v_cmp, config: NSAConfig, *, gates=None, block_ind
                                                               block_indices, node)
     if block:
         if node:
-            # The window op's impl ("triton" or "torch") is the node's, its gated sum's too.
+            # The window op's impl ("triton" or "torch") is the node's, its gated sum's too. The node
+            # reads q itself: the folded copy lives only for the grouped call's forward.
             impl = window_impl(q_fold, k, v, tiles, docs)
-            o, o_sel, o_win = gated_branches(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates,
+            o, o_sel, o_win = gated_branches(q, k, v, block_indices, config, o_cmp.x, o_cmp.head, gates,
                                              scale=scale, impl=impl, return_branches=True, grouped=grouped,
                                              partial_bytes=tiles.sel_partial_bytes or 0)
             return o_cmp, o_sel, o_win, block_indices, GatedSum(o, impl)

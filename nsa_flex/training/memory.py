@@ -154,8 +154,9 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     H200, docs/records/model_memory_probe_h200.json; the masks are `_mask_bytes`).
     Both: the fp32 residual and two normalised low-precision copies (the inputs of the q/k/v and
     MLP matmuls), SwiGLU's three F-wide tensors. Dense: q, k, v, o, lse and the copy of o that
-    feeds wo. NSA with impl flex: the folded q, the selected branch's k/v (with the initial-block
-    copies where split; the window reads a view of them), three branch outputs and their lse,
+    feeds wo. NSA with impl flex: q (the gated node's, read in place; elsewhere its folded copy), the
+    selected branch's k/v (with the initial-block copies where split; the window reads a view of
+    them), three branch outputs and their lse,
     phi's d-token chunks, hidden and outputs, and the compressed k/v repeated per query chunk;
     gates, gated sum and wo's input are recomputed in the backward (NSAAttention._attend_flex).
     Eager blocks also keep RMSNorm's fp32 intermediates, SwiGLU's product and the head-merge copy.
@@ -181,7 +182,7 @@ def _layer_bytes(cfg: NSAModelConfig, a: int, compiled: bool, impl: str, T: int,
     outs = 3 * (a if compiled else a + 4) * Ao + 3 * 4 * Hq
     recomputed = 0 if flex else a * Ao + 2 * a * max(16, C // 4) + (a + 4) * 3 * Hq
     # The block-centric op keeps its lse for its backward; its output is o_sel (one of `outs`) and it
-    # reads q from the folded copy (docs/decisions.md, "Training memory"). The token-centric Flex
+    # reads q itself or its folded copy (docs/decisions.md, "Training memory"). The token-centric Flex
     # call keeps its folded output beside the unfolded o_sel.
     op_saved = 4 * Hq if block else a * Ao if flex else 0
     return norms + mlp + a * Aq + kv + compress + outs + recomputed + op_saved

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
+from nsa_flex.folded import group_strides
 from nsa_flex.ops.capped_launch import TmaView, launch
 from nsa_flex.ops.triton_utils import HAS_TRITON, dense, quiet_without_triton
 from nsa_flex.ops.window import gluon_kernels, kernels, twin
@@ -137,12 +138,14 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scal
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float, cfg: dict[str, int],
-            local_block: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            local_block: int = 0, *, folded: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward kernel's launch: (o, lse base 2, o_loc, lse_loc; the last two empty unless
-    local_block > 0, see window_and_local). cfg: as launch_config gives it."""
+    local_block > 0, see window_and_local). cfg: as launch_config gives it. folded: q folded
+    [B, Hkv, R >= T*G, Dk]; else q [B, T, Hq, Dk] read in place (the outputs are folded either way)."""
     q, k, v = dense(q, k, v)
     B, T, Hkv, Dk = k.shape
     R = T * group
+    q_rows = _row_strides(q, group, folded)
     o = q.new_empty(B, Hkv, R, v.shape[-1])
     lse = torch.empty(B, Hkv, R, dtype=torch.float32, device=q.device)
     o_loc, lse_loc = twin.local_buffers(q, k, v, group, local_block)
@@ -151,20 +154,26 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
     if cfg.get("fwd_gluon") and gluon_kernels.forward_applies(q, v, group, local_block):
         # Inductor cannot launch a Gluon kernel: the opaque op does, making the TMA descriptors.
         BM, D = gluon_kernels.FWD_ROWS, Dk
-        Rq = q.shape[2]
         launch(gluon_kernels._fwd_gluon_kernel, (-(-R // BM), B * Hkv),
-               TmaView(q, (B * Hkv * Rq, D), (D, 1), (BM, D)), _kv_tiles(k), _kv_tiles(v), o, lse, o_loc, lse_loc,
-               T, R, Rq, Hkv, window, scale * math.log2(math.e), writes=(o, lse, o_loc, lse_loc), opaque=True,
+               q, _kv_tiles(k), _kv_tiles(v), o, lse, o_loc, lse_loc, T, R, Hkv, window, scale * math.log2(math.e),
+               *q_rows, writes=(o, lse, o_loc, lse_loc), opaque=True,
                G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block,
                num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
         return o, lse, o_loc, lse_loc
     BM = cfg["fwd_BM"]
     wrap_triton(kernels._fwd_kernel)[(-(-R // BM), B * Hkv)](
-        q, k, v, o, lse, o_loc, lse_loc, T, R, Hkv, window, scale * math.log2(math.e), *q.stride()[:3],
+        q, k, v, o, lse, o_loc, lse_loc, T, R, Hkv, window, scale * math.log2(math.e), *q_rows,
         *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], G=group, BM=BM, BN=cfg["fwd_BN"], DK=Dk, DV=v.shape[-1],
         LOCAL=local_block, CROSS=bool(local_block) and tiles_cross(group, local_block, BM), F32_DOT=not q.is_cuda,
         num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"])
     return o, lse, o_loc, lse_loc
+
+
+def _row_strides(x: Tensor, group: int, folded: bool) -> tuple[int, int, int, int]:
+    """(batch, kv head, token, group member) strides of the kernels' folded row index into x:
+    folded [B, Hkv, R, D] or x [B, T, Hq, D] (nsa_flex.folded.group_strides)."""
+    s_b, s_t, s_h, s_g = group_strides(x, group, folded)
+    return s_b, s_h, s_t, s_g
 
 
 def _kv_tiles(x: Tensor) -> TmaView:
@@ -183,8 +192,9 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
              scale: float, cfg: dict[str, int], *, gate: Tensor | None = None, delta: Tensor | None = None,
-             sel: tuple | None = None, add: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             sel: tuple | None = None, add: tuple | None = None, folded: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernels' launches: dQ (and delta), then dK / dV. cfg: as launch_config gives it.
+    folded: as forward's; dQ comes in q's layout.
 
     do: the window output's gradient, folded like o. With gate (the window's gate per row, fp32
     [B, Hkv, R] like lse) instead: do is the gated sum's output gradient [B, T, Hq, Dv] (the
@@ -204,10 +214,13 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     B, T, Hkv, Dk = k.shape
     Dv = v.shape[-1]
     R = T * group
-    # dQ covers q's rows past T*G too (zeros there: no key, no output gradient).
-    dq = torch.empty_like(q)
+    # dQ in q's layout (the kernels write it by q's strides); a folded q's rows past T*G too (zeros
+    # there: no key, no output gradient).
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q_rows = _row_strides(q, group, folded)
+    RQ = q.shape[2] if folded else R
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    if B * Hkv * q.shape[2] == 0:
+    if B * Hkv * RQ == 0:
         return dq, dk, dv
     gated = gate is not None
     if gated:
@@ -233,22 +246,22 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         sel_args, sel_strides = (lse_sel, delta_sel, gate_sel), lse_sel.stride()
     gate_arg = gate if gated else lse
     scale2 = scale * math.log2(math.e)
-    common = (T, R, Hkv, window, scale, scale2, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    common = (T, R, Hkv, window, scale, scale2, *q_rows, *k.stride()[:3], *v.stride()[:3],
               *o.stride()[:3], *do_rows, *sel_strides)
     gluon_dq = gated and T > 0 and cfg.get("dq_gluon") and gluon_kernels.applies(q, v, group)
     for bh0, n_bh, x, x_args in _dq_launches(add, B * Hkv, lse):
         if gluon_dq:
             # The gated node's dQ in the Gluon forward's form (the opaque op makes the descriptors).
             BM = gluon_kernels.FWD_ROWS
-            launch(gluon_kernels._dq_gluon_kernel, (-(-q.shape[2] // BM), n_bh), _kv_tiles(k), _kv_tiles(v), q, do,
-                   dq, lse, delta, gate, *sel_args, x, q.shape[2], T, R, Hkv, window, scale, scale2, bh0, *x_args[:3],
-                   *q.stride()[:3], *do_rows, *sel_strides, *x_args[3:], writes=(dq,), opaque=True, G=group, BM=BM,
+            launch(gluon_kernels._dq_gluon_kernel, (-(-RQ // BM), n_bh), _kv_tiles(k), _kv_tiles(v), q, do,
+                   dq, lse, delta, gate, *sel_args, x, RQ, T, R, Hkv, window, scale, scale2, bh0, *x_args[:3],
+                   *q_rows, *do_rows, *sel_strides, *x_args[3:], writes=(dq,), opaque=True, G=group, BM=BM,
                    BN=gluon_kernels.FWD_KEYS, D=Dk, NB=gluon_kernels.FWD_BUFFERS, SEL=sel_block, ADD=add is not None,
                    num_warps=4, maxnreg=gluon_kernels.FWD_MAXNREG)
         else:
             BM = cfg["dq_BM"]
-            wrap_triton(kernels._dq_kernel)[(-(-q.shape[2] // BM), n_bh)](
-                q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, x, q.shape[2], *common[:6], bh0, *x_args[:3],
+            wrap_triton(kernels._dq_kernel)[(-(-RQ // BM), n_bh)](
+                q, k, v, o, do, lse, dq, delta, gate_arg, *sel_args, x, RQ, *common[:6], bh0, *x_args[:3],
                 *common[6:], *x_args[3:], G=group, BM=BM, BN=cfg["dq_BN"], DK=Dk, DV=Dv, GATED=gated, SEL=sel_block,
                 F32_DOT=not q.is_cuda, ADD=add is not None, num_warps=cfg["dq_warps"], num_stages=cfg["dq_stages"])
     if T == 0:
@@ -316,20 +329,24 @@ def _backward(ctx, do, _dlse, _do_loc, _dlse_loc):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_inputs(q, k, v, group, window, impl) -> None:
-    """Shape, dtype and device checks; every error says what was wrong and what is allowed."""
+def _check_inputs(q, k, v, group, window, impl, folded: bool = True) -> None:
+    """Shape, dtype and device checks; every error says what was wrong and what is allowed.
+    folded: q [B, Hkv, R >= T*G, Dk] folded, else [B, T, Hq, Dk] (the launches' folded=False)."""
     if impl not in _IMPLS:
         raise ValueError(f"impl={impl!r}; allowed: {', '.join(_IMPLS)}")
-    check_4d({"q": (q, "[B, Hkv, R >= T*G, Dk] (folded)"), "k": (k, "[B, T, Hkv, Dk]"),
-              "v": (v, "[B, T, Hkv, Dv]")}, "q")
+    check_4d({"q": (q, "[B, Hkv, R >= T*G, Dk] (folded)" if folded else "[B, T, Hq, Dk]"),
+              "k": (k, "[B, T, Hkv, Dk]"), "v": (v, "[B, T, Hkv, Dv]")}, "q")
     B, T, Hkv, Dk = k.shape
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ValueError(f"group={group!r}: query heads per kv head, an int >= 1")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r}: keys per query, an int >= 1")
-    if q.shape[:2] != (B, Hkv) or q.shape[2] < T * group or q.shape[3] != Dk:
+    if folded and (q.shape[:2] != (B, Hkv) or q.shape[2] < T * group or q.shape[3] != Dk):
         raise ValueError(f"folded q {tuple(q.shape)} does not fit k {tuple(k.shape)} and group {group}: "
                          f"expected [{B}, {Hkv}, >= {T * group}, {Dk}]")
+    if not folded and q.shape != (B, T, Hkv * group, Dk):
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} and group {group}: "
+                         f"expected [{B}, {T}, {Hkv * group}, {Dk}]")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v {tuple(v.shape)} does not fit k {tuple(k.shape)}: expected [{B}, {T}, {Hkv}, Dv]")
     if impl == "triton":

@@ -2,9 +2,10 @@
 
 _fwd_gluon_kernel does kernels._fwd_kernel's work (one program per 64-row tile, an online softmax
 over its band of keys; with LOCAL the partial over each row's two local selection blocks first)
-warp-specialised: one loader warp issues the TMA loads of the tile's queries and of each 64-key
-block's K and V into a ring of buffers, and a warpgroup runs the dots (wgmma) and the softmax, so
-the loads never wait on the softmax. Its sums run in another order than the Triton kernel's (the
+warp-specialised: one loader warp issues the TMA loads of each 64-key block's K and V into a ring
+of buffers, and a warpgroup stages the tile's query rows in shared memory (by pointer: q may be
+folded or q's own [B, T, Hq, D], which no 2D TMA tile reads) and runs the dots (wgmma) and the
+softmax, so the loads never wait on the softmax. Its sums run in another order than the Triton kernel's (the
 P V dot accumulates into the rescaled output), so o and lse agree with it to rounding, not bit
 for bit.
 
@@ -119,12 +120,15 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(v_desc, [k_row + kb, k_col], bar, v_bufs.index(idx))
 
     @gluon.jit
-    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, k_row, k_col,
-                    start0, n_first, first, n_blocks, BN: gl.constexpr):
-        """The forward's loader warp: the tile's query rows, then the K / V ring (_kv_loader)."""
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-        _kv_loader(k_desc, v_desc, k_bufs, v_bufs, ready, empty, k_row, k_col, start0, n_first, first, n_blocks, BN)
+    def _rows_to_smem(dst, ptr, b, h, r, ok, s_b, s_h, s_t, s_g, col, G: gl.constexpr):
+        """Load folded rows r (token r // G, group member r % G; zeros where not ok) of a tensor with
+        (batch, kv head, token, member) strides (folded or unfolded q, see kernels._rows4) and store
+        them into dst, visible to the warpgroup's wgmma."""
+        r64 = r.to(gl.int64)
+        at = b * s_b + h * s_h + (r64 // G) * s_t + (r64 % G) * s_g
+        dst.store(gl.load(ptr + at[:, None] + col[None, :], mask=ok[:, None], other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
     def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, kb, acc, m_i, l_i, tok, t0, t1, W, scale2,
@@ -177,21 +181,25 @@ if HAS_GLUON:
         gl.store(LSE + bh.to(gl.int64) * R + rows, m_i + gl.log2(l_safe), mask=rows < R)
 
     @gluon.jit
-    def _fwd_consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, O_LOC, LSE_LOC, bh, row0, R, t0, t1, W,
-                      scale2, start0, n_first, first, n_blocks, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                      D: gl.constexpr, LOCAL: gl.constexpr):
-        """The consumer warpgroup: the local blocks (with LOCAL; their softmax stored as the local
+    def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, Q, O, LSE, O_LOC, LSE_LOC, bh, b, h, row0, R, t0, t1, W,
+                      scale2, start0, n_first, first, n_blocks, s_qb, s_qh, s_qt, s_qg, G: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, LOCAL: gl.constexpr):
+        """The consumer warpgroup: the tile's query rows into shared memory (while the loader warp
+        fills the K / V ring), the local blocks (with LOCAL; their softmax stored as the local
         partial), then the rest of the band; o and lse."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D, 16])
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+        _rows_to_smem(q_smem, Q, b, h, r, r < R, s_qb, s_qh, s_qt, s_qg, gl.arange(0, D, layout=gl.SliceLayout(0, ld)),
+                      G)
         sc2 = gl.cast(scale2, gl.float32)
         tok = (row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))) // G
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BM, D], gl.float32, layout=o_layout)
-        mbarrier.wait(q_bar, 0)
         for i in range(n_first):
             acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, i, start0 + i * BN, acc, m_i, l_i, tok,
                                       t0, t1, W, sc2, BM, BN, D)
@@ -203,14 +211,15 @@ if HAS_GLUON:
         _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, D)
 
     @gluon.jit
-    def _fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Rq, Hkv, W, scale2,
+    def _fwd_gluon_kernel(Q, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2, s_qb, s_qh, s_qt, s_qg,
                           G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
                           LOCAL: gl.constexpr):
         """o [B, Hkv, R, D], lse [B, Hkv, R] (base 2) and with LOCAL (l') the local partial
         (O_LOC, LSE_LOC in o's and lse's layouts) of the BM-row tile program_id(0) of (b, kv head)
         program_id(1), as kernels._fwd_kernel gives them (no tile may cross a selection block:
-        forward_applies). q_desc: folded q as [B*Hkv*Rq, D] in [BM, D] tiles; k_desc / v_desc: k, v
-        as [B*T, Hkv*D] in [BN, D] tiles. 4 warps and a loader warp."""
+        forward_applies). Q: queries by (batch, kv head, token, member) strides (folded or unfolded,
+        see kernels._rows4); k_desc / v_desc: k, v as [B*T, Hkv*D] in [BN, D] tiles. 4 warps and a
+        loader warp."""
         bh, b, h, row0, t0, t1, first = _tile_band(T, Hkv, W, 0, G, BM, BN)
         start0 = first
         if LOCAL > 0:
@@ -219,27 +228,27 @@ if HAS_GLUON:
             start0 = gl.maximum((t0 // LOCAL - 1) * LOCAL, 0)
         n_first = gl.cdiv(t1 + 1 - start0, BN)
         n_blocks = n_first + (start0 - first) // BN
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BM, D],
+                                           gl.NVMMASharedLayout.get_default_for([BM, D], Q.dtype.element_ty))
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NB] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NB] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
         for i in gl.static_range(NB):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_fwd_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, O_LOC, LSE_LOC, bh, row0, R, t0, t1,
-                             W, scale2, start0, n_first, first, n_blocks, G, BM, BN, D, LOCAL)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, bh * Rq + row0,
-                           b * T, h * D, start0, n_first, first, n_blocks, BN)),
+            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, Q, O, LSE, O_LOC, LSE_LOC, bh, b.to(gl.int64), h,
+                             row0, R, t0, t1, W, scale2, start0, n_first, first, n_blocks, s_qb, s_qh, s_qt, s_qg, G,
+                             BM, BN, D, LOCAL)),
+            (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * T, h * D, start0, n_first, first,
+                          n_blocks, BN)),
         ], [1], [24])
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X,
                      bh, b, h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks, xi, XH, XG, XN, s_qb,
-                     s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb, s_xj, s_xs, G: gl.constexpr,
+                     s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb, s_xj, s_xs, G: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, SEL: gl.constexpr, ADD: gl.constexpr):
         """The dQ warpgroup: the tile's q and dO rows into shared memory, then per key block S = q K^T
         and dP = dO V^T (both issued before either is waited for), dS in fp32 and dQ += dS K (dS
@@ -260,7 +269,8 @@ if HAS_GLUON:
         r64 = r.to(gl.int64)
         # Rows past R (a folded q's pad rows) are zeros, so their P, dS and dQ are too.
         ok = (r < R)[:, None]
-        q = gl.load(Q + b * s_qb + h * s_qh + r64[:, None] * s_qr + c[None, :], mask=ok, other=0.0)
+        q_at = b * s_qb + h * s_qh + (r64 // G)[:, None] * s_qt + (r64 % G)[:, None] * s_qg + c[None, :]
+        q = gl.load(Q + q_at, mask=ok, other=0.0)
         do = gl.load(DO + b * s_db + h * s_dh + (r64 // G)[:, None] * s_dt + (r64 % G)[:, None] * s_dg + c[None, :],
                      mask=ok, other=0.0)
         q_smem.store(q)
@@ -309,15 +319,16 @@ if HAS_GLUON:
             x = gl.maximum(x, 0).to(gl.int64)
             at = X + xi.to(gl.int64) * s_xb + (x % XG)[:, None] * s_xj + (x // XG)[:, None] * s_xs + c[None, :]
             dq += gl.load(at, mask=x_ok[:, None], other=0.0).to(gl.float32)
-        gl.store(DQ + (bh.to(gl.int64) * RQ + r64)[:, None] * D + c[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(r < RQ)[:, None])
+        # dQ in q's layout (the launch makes it so).
+        gl.store(DQ + q_at, dq.to(DQ.dtype.element_ty), mask=(r < RQ)[:, None])
 
     @gluon.jit
     def _dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale,
-                         scale2, BH0, XH, XG, XN, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                         scale2, BH0, XH, XG, XN, s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                          s_xb, s_xj, s_xs, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                          NB: gl.constexpr, SEL: gl.constexpr, ADD: gl.constexpr):
-        """dQ [B, Hkv, RQ, D] (contiguous; zero at rows R .. RQ - 1) of the BM-row tile program_id(0) of
+        """dQ (q's layout: Q and DQ by (s_qb, s_qh, s_qt, s_qg), RQ rows a kv head, zero at rows
+        R .. RQ - 1) of the BM-row tile program_id(0) of
         (b, kv head) BH0 + program_id(1), as kernels._dq_kernel gives it in the gated node's mode
         (GATED: DO the gated sum's output gradient by (s_db, s_dh, s_dt, s_dg), GW the window's gate
         and DELTA its delta per row; SEL and ADD as there). k_desc / v_desc: k, v as [B*T, Hkv*D] in
@@ -341,7 +352,7 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS,
                             GS, X, bh, b.to(gl.int64), h, row0, R, RQ, t0, t1, W, scale, scale2, first, lo, n_blocks,
-                            bh - BH0, XH, XG, XN, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb,
+                            bh - BH0, XH, XG, XN, s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb,
                             s_xj, s_xs, G, BM, BN, D, SEL, ADD)),
             (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, b * T, h * D, first, n_blocks, first,
                           n_blocks, BN)),
@@ -375,7 +386,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _dkdv_gluon_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2,
-                           s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                           s_qb, s_qh, s_qt, s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                            s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr,
                            GATED: gl.constexpr, SEL: gl.constexpr, F32_DOT: gl.constexpr):
@@ -443,7 +454,7 @@ if HAS_GLUON:
 
         # Tile 0's copies and row statistics.
         r = r_first + gl.arange(0, BM, layout=row_ld)
-        _rows_to_shared(q_buf.index(0), Q, b, h, r, r < R, s_qb, s_qh, G * s_qr, s_qr, col, G)
+        _rows_to_shared(q_buf.index(0), Q, b, h, r, r < R, s_qb, s_qh, s_qt, s_qg, col, G)
         _rows_to_shared(do_buf.index(0), DO, b, h, r, r < R, s_db, s_dh, s_dt, s_dg, col, G)
         async_copy.commit_group()
         rs = r_first + gl.arange(0, BM, layout=row_s)
@@ -457,7 +468,7 @@ if HAS_GLUON:
             gl.thread_barrier()
             rn = r0 + BM + gl.arange(0, BM, layout=row_ld)
             okn = (rn < R) & (r0 + BM < r_end)
-            _rows_to_shared(q_buf.index(1 - cur), Q, b, h, rn, okn, s_qb, s_qh, G * s_qr, s_qr, col, G)
+            _rows_to_shared(q_buf.index(1 - cur), Q, b, h, rn, okn, s_qb, s_qh, s_qt, s_qg, col, G)
             _rows_to_shared(do_buf.index(1 - cur), DO, b, h, rn, okn, s_db, s_dh, s_dt, s_dg, col, G)
             async_copy.commit_group()
             async_copy.wait_group(1)

@@ -4,7 +4,9 @@ Query rows are folded (row r = t*G + g of kv head h is query head h*G + g at tok
 of BM rows holds BM/G tokens that share one kv head and one run of keys: the tokens t0..t1 of
 a tile see keys t0-W+1 .. t1, BM/G + W - 1 keys in all. Each loop over keys runs in three parts,
 by blocks of BN keys: the blocks the window's start cuts (masked), those every row sees whole
-(no mask) and those the diagonal cuts (masked).
+(no mask) and those the diagonal cuts (masked). The kernels address a row by (batch, kv head,
+token, group member) strides, so q (and dQ) may be folded or q's own [B, T, Hq, D]; the gated
+node passes the latter and keeps no folded copy.
 
 Forward: one program per row tile, an online softmax in base 2; o in the inputs' dtype and the
 row's lse (fp32, base 2). Backward, two launches, no atomics: _dq_kernel per row tile (dQ, and
@@ -93,10 +95,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2,
-                    s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                    s_qb, s_qh, s_qt, s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     LOCAL: tl.constexpr, CROSS: tl.constexpr, F32_DOT: tl.constexpr):
-        """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0).
+        """o [B, Hkv, R, DV] and lse [B, Hkv, R] (base 2) of the BM rows of tile program_id(0); Q's
+        rows by (s_qb, s_qh, s_qt, s_qg) (see _rows4).
 
         LOCAL (> 0, NSA's selection block l'): a row of token t has the local keys of selection
         blocks t // l' - 1 and t // l' up to t, which the window holds whole (W >= 2 l'). Those
@@ -109,7 +112,7 @@ if HAS_TRITON:
         # arithmetic): fp32 it must be, for the loop-carried row max.
         sc2 = tl.cast(scale2, tl.float32)
         bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM, 0)
-        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
+        q = _rows4(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qt, s_qg, G, DK)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, DV], tl.float32)
@@ -205,12 +208,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _dq_kernel(Q, K, V, O, DO, LSE, DQ, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale, scale2,
-                   BH0, XH, XG, XN, s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                   BH0, XH, XG, XN, s_qb, s_qh, s_qt, s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                    s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb, s_xj, s_xs,
                    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr, ADD: tl.constexpr = False):
-        """dQ [B, Hkv, RQ, DK] of a row tile (zero at rows R .. RQ - 1) of (b, h) = BH0 +
-        program_id(1). DO's rows by (s_db, s_dh, s_dt, s_dg) (see _rows4). Without GATED: DO is the
+        """dQ of a row tile (zero at rows R .. RQ - 1) of (b, h) = BH0 + program_id(1), in q's layout:
+        Q and DQ by (s_qb, s_qh, s_qt, s_qg), folded or q's own [B, T, Hq, DK] (see _rows4); DO's
+        rows by (s_db, s_dh, s_dt, s_dg). Without GATED: DO is the
         window's output gradient and the kernel writes delta of its rows from O. GATED: DO is the
         gated sum's, GW the window's gate per row ([B, Hkv, R] fp32, LSE's layout), DELTA holds
         delta = rowsum(dO * O) already (O unread), and with SEL > 0 the selected branch's term over
@@ -219,7 +223,7 @@ if HAS_TRITON:
         sc = tl.cast(scale, tl.float32)
         sc2 = tl.cast(scale2, tl.float32)
         bh, b, h, rows, rows_ok, tok, t0, t1 = _row_program(T, R, Hkv, G, BM, BH0)
-        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
+        q = _rows4(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qt, s_qg, G, DK)
         do = _rows4(DO, b, h, rows, rows_ok, s_db, s_dh, s_dt, s_dg, G, DV)
         if GATED:
             delta = tl.load(DELTA + bh.to(tl.int64) * R + rows, mask=rows_ok, other=0.0)
@@ -261,7 +265,8 @@ if HAS_TRITON:
         dq = dq * sc
         if ADD:
             dq += _added_rows(X, bh - BH0, rows, XH, XG, XN, s_xb, s_xj, s_xs, DK)
-        tl.store(DQ + b * s_qb + h * s_qh + rows.to(tl.int64)[:, None] * s_qr + dk_[None, :],
+        r = rows.to(tl.int64)
+        tl.store(DQ + b * s_qb + h * s_qh + (r // G)[:, None] * s_qt + (r % G)[:, None] * s_qg + dk_[None, :],
                  dq.to(DQ.dtype.element_ty), mask=(rows < RQ)[:, None])
 
     @triton.jit
@@ -278,13 +283,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, scale2,
-                   s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                   s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                    MASKED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, F32_DOT: tl.constexpr, GATED: tl.constexpr, SEL: tl.constexpr):
         """One row tile into dK, dV (GATED, SEL as _dq_step's)."""
         rows = r0 + tl.arange(0, BM)
         rows_ok = rows < R
-        q = _row_tile(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qr, DK)
+        q = _rows4(Q, b, h, rows, rows_ok, s_qb, s_qh, s_qt, s_qg, G, DK)
         do = _rows4(DO, b, h, rows, rows_ok, s_db, s_dh, s_dt, s_dg, G, DV)
         # Pad rows: lse +inf makes their probabilities 0.
         lse2 = tl.load(LSE + bh.to(tl.int64) * R + rows, mask=rows_ok, other=float("inf"))
@@ -314,7 +319,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2,
-                     s_qb, s_qh, s_qr, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
+                     s_qb, s_qh, s_qt, s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                      s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                      G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      GATED: tl.constexpr, SEL: tl.constexpr, F32_DOT: tl.constexpr):
@@ -354,22 +359,22 @@ if HAS_TRITON:
             r_loc = tl.minimum(r_loc, r_stop)
             for r0 in range(r_first, r_loc, BM):
                 dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W,
-                                    sc2, s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh,
+                                    sc2, s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh,
                                     s_lt, True, G, BM, DK, DV, F32_DOT, GATED, SEL)
             r_lo = tl.maximum(r_lo, r_loc)
             r_hi = tl.maximum(r_hi, r_loc)
             r_first = r_loc
         for r0 in range(r_first, r_lo, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, sc2,
-                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                                s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 True, G, BM, DK, DV, F32_DOT, GATED, 0)
         for r0 in range(r_lo, r_hi, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, sc2,
-                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                                s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 False, G, BM, DK, DV, F32_DOT, GATED, 0)
         for r0 in range(r_hi, r_end, BM):
             dk, dv = _dkdv_step(k, v, dk, dv, b, h, r0, keys, Q, DO, LSE, DELTA, GW, LSES, DELTAS, GS, bh, R, W, sc2,
-                                s_qb, s_qh, s_qr, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+                                s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                                 True, G, BM, DK, DV, F32_DOT, GATED, 0)
         tl.store(DK_ + b * s_kb + keys.to(tl.int64)[:, None] * s_kt + h * s_kh + dk_[None, :],
                  (dk * sc).to(DK_.dtype.element_ty), mask=keys_ok[:, None])
