@@ -130,6 +130,28 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(launch.torch, "empty", empty)
 
 
+@pytest.fixture
+def guarded(monkeypatch):
+    """As poisoned, each buffer the front half of one twice its size: gives a check that the back
+    halves kept their poison (no kernel wrote past a buffer; one that read past it read NaN)."""
+    real = torch.empty
+    tails = []
+
+    def empty(*size, **kwargs):
+        numel = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size).numel()
+        whole = real(2 * numel, **kwargs)
+        whole.fill_(math.nan) if whole.is_floating_point() else whole.fill_(-(2 ** 30))
+        tails.append((whole[numel:], whole[numel:].clone()))
+        return whole[:numel].view(*size)
+
+    monkeypatch.setattr(launch.torch, "empty", empty)
+
+    def untouched():
+        for tail, poison in tails:
+            assert tail.isnan().all() if tail.is_floating_point() else torch.equal(tail, poison), "written past a buffer"
+    return untouched
+
+
 # ----- the inverse index -----
 
 def dense_rows(gid_bhtn, Nv):
@@ -487,19 +509,23 @@ def test_delta_kernel(B, T, Hq, D, dtype, poisoned):
 
 
 @interpreter
-@pytest.mark.parametrize("T, R, dtype, cu", [
-    (130, 64, torch.float32, None), (130, 50, torch.bfloat16, None), (97, 1, torch.float32, None),
-    (130, 45, torch.float32, [0, 40, 41, 41, 130]),
-], ids=["3-ranges", "bf16-ranges-across-blocks", "one-token-ranges", "ranges-across-documents"])
-def test_kernels_interpreted_token_ranges(T, R, dtype, cu, poisoned):
+@pytest.mark.parametrize("B, T, R, dtype, cu", [
+    (1, 130, 64, torch.float32, None), (1, 130, 50, torch.bfloat16, None), (1, 97, 1, torch.float32, None),
+    (1, 130, 45, torch.float32, [0, 40, 41, 41, 130]), (2, 130, 40, torch.float32, None),
+], ids=["3-ranges", "bf16-ranges-across-blocks", "one-token-ranges", "ranges-across-documents", "batch-4-ranges"])
+def test_kernels_interpreted_token_ranges(B, T, R, dtype, cu, guarded):
     """A sequence run in token ranges (bounded partial buffers) equals the oracle: keys and
-    causality absolute, dK/dV summed over the ranges, ranges cutting blocks and documents."""
+    causality absolute, dK/dV summed over the ranges, ranges cutting blocks and documents; no
+    buffer is read or written past its end. The fp32 dK/dV sums [B, Ts, Hkv, D] hold only the
+    keys of blocks that start before the last range (Ts < T): at B=2 their batch stride is not
+    dK/dV's."""
     cfg = make_config(2, 32, 24, 4, 16)
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    q, k, v, do = make_inputs(1, T, cfg, dtype, seed=T + R)
-    bi = random_selection(1, 2, T, 4, 16, seed=R, cu_seqlens=cu)
+    q, k, v, do = make_inputs(B, T, cfg, dtype, seed=T + R)
+    bi = random_selection(B, 2, T, 4, 16, seed=R, cu_seqlens=cu)
     got = run_kernels(q, k, v, do, bi, cfg, cu, tiles=dict(range_tokens=R, bwd_chunks=2))
     check(got, q, k, v, do, bi, cfg, cu)
+    guarded()
 
 
 @interpreter
@@ -567,6 +593,30 @@ def test_backward_from_the_saved_index_equals_rebuilding_it(R, skip_local, folde
     want = launch.backward(do, q, k, v, o, lse, bi, None, scale, 16, tiles, q_heads, skip_local=skip_local)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
+
+
+def test_sums_hold_the_keys_of_blocks_that_start_before_the_last_range():
+    """sum_tokens (the rows of the backward's fp32 dK/dV sums) reaches the end of every block that
+    starts before the last range's first token, single sequence or packed documents (blocks
+    starting anywhere), and at T=64k in 4 ranges is the last range's start."""
+    from nsa_flex.ops.selected_attention.index import _bounds, _virtual_blocks
+
+    assert launch.sum_tokens(65536, 49152, 64, False) == 49152
+    g = torch.Generator().manual_seed(0)
+    for T, L in [(130, 16), (300, 64), (1000, 48)]:
+        docs = [None] + [torch.cat([torch.tensor([0]), torch.randint(1, T, (d,), generator=g).sort().values,
+                                    torch.tensor([T])]) for d in (1, 3, 9)]
+        for cu in docs:
+            b = _bounds(cu, T, "cpu")
+            blocks = (b[1:] - b[:-1] + L - 1) // L
+            last = torch.cumsum(blocks, 0)
+            start, end = _virtual_blocks(b, last, last - blocks, num_virtual_blocks(T, L, b.shape[0] - 1), L)
+            for t0 in range(1, T):
+                need = int(end[(start < t0) & (end > start)].max())
+                got = launch.sum_tokens(T, t0, L, cu is not None)
+                assert need <= got <= T, (T, L, t0, cu)
+                if cu is None:
+                    assert got == need
 
 
 def test_backward_refuses_a_saved_index_of_other_ranges():

@@ -41,10 +41,12 @@ def _bwd_args(G: int, gated: bool, dtype=torch.bfloat16, modes=(False, False, Fa
     bounds = [torch.zeros(Nv, dtype=torch.int32) for _ in range(2)]
     n_items = torch.zeros(B * Hkv * Nv, dtype=torch.int32)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    dk_sum, dv_sum = torch.zeros(k.shape), torch.zeros(v.shape)
+    # The sums [B, Ts, Hkv, D]: the keys of the blocks before the last range (launch.sum_tokens).
+    dk_sum, dv_sum = torch.zeros(B, T // 2, Hkv, D), torch.zeros(B, T // 2, Hkv, D)
     args = (q, k, v, do, lse, delta, gate, dqp, dkp, dvp, entries, *items, *bounds, n_items, dk, dv, dk_sum, dv_sum,
             Hkv, Nv, 0, T, D ** -0.5, q.stride(0), q.stride(1), G * q.stride(2), q.stride(2), *k.stride()[:3],
-            *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3])
+            *v.stride()[:3], *do.stride()[:3], *lse.stride(), *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
+            *dk_sum.stride()[:3], *dv_sum.stride()[:3])
     sums, add, acc = modes
     return (W,), args, dict(N=n, G=G, GP=G, BT=BT, BL=BL, DK=D, DKP=D, DV=D, DVP=D, F32_DOT=False, IEEE=False,
                             SUMS=sums, ADD=add, ACC=acc, GATED=gated, num_warps=rows // 16)

@@ -102,6 +102,7 @@ if HAS_GLUON:
         dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+        ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h,
         N: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, BT: gl.constexpr, BL: gl.constexpr,
         DK: gl.constexpr, DKP: gl.constexpr, DV: gl.constexpr, DVP: gl.constexpr,
         F32_DOT: gl.constexpr, IEEE: gl.constexpr, SUMS: gl.constexpr, ADD: gl.constexpr,
@@ -229,7 +230,8 @@ if HAS_GLUON:
         if valid:
             if gl.load(n_items_ptr + blk) == 1:
                 _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
-                              sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, r, c, SUMS, ADD, ACC)
+                              sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h,
+                              r, c, SUMS, ADD, ACC)
             else:
                 at = (w.to(gl.int64) * BL + r[:, None]) * D + c[None, :]
                 gl.store(dkp_ptr + at, dk_acc)
@@ -237,12 +239,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
-                      sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, r, c, SUMS: gl.constexpr, ADD: gl.constexpr,
-                      ACC: gl.constexpr):
+                      sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h, r, c,
+                      SUMS: gl.constexpr, ADD: gl.constexpr, ACC: gl.constexpr):
         """kernels._finish_block's rule, in Gluon (r, c: the sums' row and column ids in their layout):
         a block that starts at or after T1 is final already and left alone; one that starts in
         [T0, T1) goes to dk / dv (added to their content with ACC); one that starts before T0 goes
-        to the fp32 sums (with ADD, the later ranges' sums are read and added first)."""
+        to the fp32 sums (strides ssk_* / ssv_*; with ADD, the later ranges' sums are read and
+        added first)."""
         live = ks < T1
         final = ks >= T0
         waits = ks < T0
@@ -251,9 +254,11 @@ if HAS_GLUON:
         ok = ((key < ke) & live)[:, None]
         k_at = b * sk_b + kt * sk_t + h * sk_h + c[None, :]
         v_at = b * sv_b + kt * sv_t + h * sv_h + c[None, :]
+        k_sum_at = b * ssk_b + kt * ssk_t + h * ssk_h + c[None, :]
+        v_sum_at = b * ssv_b + kt * ssv_t + h * ssv_h + c[None, :]
         if ADD:
-            dk_acc += gl.load(dk_sum_ptr + k_at, mask=ok, other=0.0)
-            dv_acc += gl.load(dv_sum_ptr + v_at, mask=ok, other=0.0)
+            dk_acc += gl.load(dk_sum_ptr + k_sum_at, mask=ok, other=0.0)
+            dv_acc += gl.load(dv_sum_ptr + v_sum_at, mask=ok, other=0.0)
         if ACC:
             dk_out = dk_acc + gl.load(dk_ptr + k_at, mask=ok & final, other=0.0).to(gl.float32)
             dv_out = dv_acc + gl.load(dv_ptr + v_at, mask=ok & final, other=0.0).to(gl.float32)
@@ -263,8 +268,8 @@ if HAS_GLUON:
         gl.store(dk_ptr + k_at, dk_out.to(dk_ptr.dtype.element_ty), mask=ok & final)
         gl.store(dv_ptr + v_at, dv_out.to(dv_ptr.dtype.element_ty), mask=ok & final)
         if SUMS:
-            gl.store(dk_sum_ptr + k_at, dk_acc, mask=ok & waits)
-            gl.store(dv_sum_ptr + v_at, dv_acc, mask=ok & waits)
+            gl.store(dk_sum_ptr + k_sum_at, dk_acc, mask=ok & waits)
+            gl.store(dv_sum_ptr + v_sum_at, dv_acc, mask=ok & waits)
 
     @gluon.jit
     def _fwd_gluon_kernel(

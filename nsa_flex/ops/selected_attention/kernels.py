@@ -133,6 +133,7 @@ if HAS_TRITON:
         dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, Hkv, Nv, T0, T1, scale,
         sq_b, sq_t, sq_kv, sq_g, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
         sl_b, sl_h, sl_t, sdq_b, sdq_t, sdq_h, sdq_n, sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+        ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h,
         N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr,
         DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         F32_DOT: tl.constexpr, IEEE: tl.constexpr, SUMS: tl.constexpr, ADD: tl.constexpr,
@@ -143,7 +144,8 @@ if HAS_TRITON:
         An item that is its block's only one in this range finishes the block itself
         (_finish_block, with SUMS / ADD / ACC as _block_sum_kernel takes them): its sums go
         straight to dk / dv or to the fp32 sums, with no partial written and read back. Other
-        items write fp32 partials [W, BL, D] for _block_sum_kernel.
+        items write fp32 partials [W, BL, D] for _block_sum_kernel. ssk_* / ssv_*: the strides
+        (batch, token, kv head) of the sums [B, Ts, Hkv, D] (Ts <= T keys, launch.sum_tokens).
 
         lse [B, Hq, T] natural log (-inf: no visible key), delta [B, Hq, T] = rowsum(dO * O).
         GATED: dO is the gated sum's output gradient and the branch's is g_sel dO, with g_sel per row
@@ -197,7 +199,8 @@ if HAS_TRITON:
             dk_acc = dk_acc * sc
             if tl.load(n_items_ptr + tl.maximum(tl.load(item_blk_ptr + w), 0)) == 1:
                 _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
-                              sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, BL, DK, DKP, DV, DVP, SUMS, ADD, ACC)
+                              sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h,
+                              BL, DK, DKP, DV, DVP, SUMS, ADD, ACC)
             else:
                 r = tl.arange(0, BL)
                 tl.store(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :], dk_acc)
@@ -205,9 +208,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks, ke, T0, T1,
-                      sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                      DV: tl.constexpr, DVP: tl.constexpr, SUMS: tl.constexpr, ADD: tl.constexpr,
-                      ACC: tl.constexpr):
+                      sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h,
+                      BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                      SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr):
         """Write the key block [ks, ke) of (b, kv head h): dk_acc / dv_acc [BL, D'] fp32 are its dK/dV
         sums over the token range [T0, T1).
 
@@ -217,7 +220,8 @@ if HAS_TRITON:
         listed blocks are masked whole and add exact zeros), so a block that starts at or after
         T1 is final already and is left alone; one that starts in [T0, T1) is final in this
         range and goes to dk / dv; one that starts before T0 still waits for earlier ranges and
-        goes to the fp32 sums dk_sum / dv_sum (dK/dV's strides). ADD: the sums hold the later
+        goes to the fp32 sums dk_sum / dv_sum (strides ssk_* / ssv_*; they hold only the keys of
+        blocks that start before the last range, launch.sum_tokens). ADD: the sums hold the later
         ranges' contributions, read and added. ACC: dk / dv hold another gradient already, which
         a block adds where it is final."""
         live = ks < T1
@@ -230,11 +234,13 @@ if HAS_TRITON:
         kt = key.to(tl.int64)[:, None]
         k_at = b * sk_b + kt * sk_t + h * sk_h + dk[None, :]
         v_at = b * sv_b + kt * sv_t + h * sv_h + dv[None, :]
+        k_sum_at = b * ssk_b + kt * ssk_t + h * ssk_h + dk[None, :]
+        v_sum_at = b * ssv_b + kt * ssv_t + h * ssv_h + dv[None, :]
         k_ok = key_ok[:, None] & (dk[None, :] < DK)
         v_ok = key_ok[:, None] & (dv[None, :] < DV)
         if ADD:
-            dk_acc += tl.load(dk_sum_ptr + k_at, mask=k_ok, other=0.0)
-            dv_acc += tl.load(dv_sum_ptr + v_at, mask=v_ok, other=0.0)
+            dk_acc += tl.load(dk_sum_ptr + k_sum_at, mask=k_ok, other=0.0)
+            dv_acc += tl.load(dv_sum_ptr + v_sum_at, mask=v_ok, other=0.0)
         if ACC:
             dk_out = dk_acc + tl.load(dk_ptr + k_at, mask=k_ok & final, other=0.0).to(tl.float32)
             dv_out = dv_acc + tl.load(dv_ptr + v_at, mask=v_ok & final, other=0.0).to(tl.float32)
@@ -244,13 +250,13 @@ if HAS_TRITON:
         tl.store(dk_ptr + k_at, dk_out.to(dk_ptr.dtype.element_ty), mask=k_ok & final)
         tl.store(dv_ptr + v_at, dv_out.to(dv_ptr.dtype.element_ty), mask=v_ok & final)
         if SUMS:
-            tl.store(dk_sum_ptr + k_at, dk_acc, mask=k_ok & ~final)
-            tl.store(dv_sum_ptr + v_at, dv_acc, mask=v_ok & ~final)
+            tl.store(dk_sum_ptr + k_sum_at, dk_acc, mask=k_ok & ~final)
+            tl.store(dv_sum_ptr + v_sum_at, dv_acc, mask=v_ok & ~final)
 
     @triton.jit
     def _block_sum_kernel(
         dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, first_item_ptr, n_items_ptr, blk_start_ptr,
-        blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        blk_end_ptr, Hkv, Nv, T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ssk_b, ssk_t, ssk_h, ssv_b, ssv_t, ssv_h,
         BL: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         SUMS: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr = False,
     ):
@@ -278,5 +284,5 @@ if HAS_TRITON:
                 dk_acc += tl.load(dkp_ptr + (w * BL + r[:, None]) * DKP + dk[None, :])
                 dv_acc += tl.load(dvp_ptr + (w * BL + r[:, None]) * DVP + dv[None, :])
             _finish_block(dk_acc, dv_acc, dk_ptr, dv_ptr, dk_sum_ptr, dv_sum_ptr, b, h, ks,
-                          tl.load(blk_end_ptr + vb), T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, BL, DK, DKP, DV,
-                          DVP, SUMS, ADD, ACC)
+                          tl.load(blk_end_ptr + vb), T0, T1, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ssk_b, ssk_t, ssk_h,
+                          ssv_b, ssv_t, ssv_h, BL, DK, DKP, DV, DVP, SUMS, ADD, ACC)

@@ -169,8 +169,9 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, n: int, Dk: int, Dv: int,
     items = _partial_items(B * Hkv, R, slots, span, num_virtual_blocks(T, sel_block, 1))
     pad = lambda d: max(16, next_pow2(d))  # noqa: E731
     dkv = 4 * items * pad(sel_block) * (pad(Dk) + pad(Dv))
-    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges, delta.
-    ranges = 4 * B * T * Hkv * (Dk + Dv) if R < T else 0
+    # dQ partials, dK/dV partials, fp32 dK/dV sums across ranges (sum_tokens, packed: its bound for
+    # any documents), delta.
+    ranges = 4 * B * sum_tokens(T, _ranges(T, R)[-1][0], sel_block, True) * Hkv * (Dk + Dv) if R < T else 0
     backward = B * R * Hq * slots * part * Dk + dkv + ranges + 4 * B * T * Hq
     return int(index + max(forward, backward))
 
@@ -242,6 +243,15 @@ def _range_of(block_indices: Tensor, t0: int, t1: int) -> Tensor:
 def _ranges(T: int, R: int):
     """Token ranges [t0, t1) of at most R tokens covering [0, T)."""
     return [(t0, min(T, t0 + R)) for t0 in range(0, T, R)]
+
+
+def sum_tokens(T: int, t0: int, sel_block: int, packed: bool) -> int:
+    """Key rows of the backward's fp32 dK/dV sums when the last range starts at token t0: only
+    blocks that start before t0 wait for earlier ranges. They end by the block boundary at or
+    after t0 (a single sequence's blocks start at multiples of sel_block); with packed documents
+    (blocks start at any token, cu_seqlens not read on the host) by t0 - 1 + sel_block."""
+    end = t0 - 1 + sel_block if packed else -(-t0 // sel_block) * sel_block
+    return min(T, end)
 
 
 class SavedIndex(NamedTuple):
@@ -450,12 +460,16 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
             raise ValueError("backward: acc must be contiguous gradients shaped like q, k and v")
     kernel, how = _pass_kernel(cfg, "bwd", q, v, consts)
     # Several ranges run last first: a block is final in the range holding its first key (no
-    # earlier token selects it), and until then its dK/dV wait in fp32 sums shaped like dk / dv.
-    # So the sums hold only the blocks that earlier ranges still reach, and each block is
-    # written to dk / dv once (see _block_sum_kernel).
+    # earlier token selects it), and until then its dK/dV wait in fp32 sums [B, Ts, Hkv, Dk / Dv].
+    # So the sums hold only the blocks that earlier ranges still reach (those starting before the
+    # last range: Ts keys, sum_tokens), and each block is written to dk / dv once (see
+    # _block_sum_kernel).
     sums = len(ranges) > 1
-    dk_sum = torch.empty(dk.shape, dtype=torch.float32, device=q.device) if sums else None
-    dv_sum = torch.empty(dv.shape, dtype=torch.float32, device=q.device) if sums else None
+    dk_sum = dv_sum = None
+    if sums:
+        Ts = sum_tokens(T, ranges[-1][0], sel_block, cu_seqlens is not None)
+        dk_sum = torch.empty(B, Ts, Hkv, Dk, dtype=torch.float32, device=q.device)
+        dv_sum = torch.empty(B, Ts, Hkv, v.shape[-1], dtype=torch.float32, device=q.device)
     span = cfg["bwd_BT"] * cfg["bwd_chunks"]
     for i, (t0, t1) in enumerate(reversed(ranges)):
         if index is None:
@@ -474,6 +488,7 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
         # One range: no sums; the index's counts and offsets (int32 tensors no other argument
         # aliases) stand in for them, never read or written.
         sum_k, sum_v = (dk_sum, dv_sum) if sums else (range_index.counts, range_index.offsets)
+        sum_strides = (*dk_sum.stride()[:3], *dv_sum.stride()[:3]) if sums else (0,) * 6
         finish = dict(SUMS=sums, ADD=i > 0, ACC=acc is not None)
         if W > 0:
             # A block's only item finishes it (dk, dv or the sums); the others write partials.
@@ -482,15 +497,16 @@ def backward(do, q, k, v, o, lse, block_indices, cu_seqlens, scale: float, sel_b
                    items.blk, items.start, items.end, range_index.blk_start, range_index.blk_end, items.n_items,
                    dk, dv, sum_k, sum_v, Hkv, Nv, t0, t1, scale, *group_strides(q, G, folded),
                    *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(),
-                   *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
+                   *dqp.stride()[:4], *dk.stride()[:3], *dv.stride()[:3], *sum_strides,
                    writes=(dqp, dkp, dvp, dk, dv) + ((dk_sum, dv_sum) if sums else ()),
                    GATED=gate is not None, **finish, **consts, **how)
         if B * Hkv * Nv > 0:
             # The blocks with no item or several.
             wrap_triton(kernels._block_sum_kernel)[(B * Hkv * Nv,)](
                 dkp, dvp, dk, dv, sum_k, sum_v, items.first_item, items.n_items, range_index.blk_start,
-                range_index.blk_end, Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], BL=consts["BL"], DK=Dk, DKP=consts["DKP"],
-                DV=consts["DV"], DVP=consts["DVP"], **finish, num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
+                range_index.blk_end, Hkv, Nv, t0, t1, *dk.stride()[:3], *dv.stride()[:3], *sum_strides, BL=consts["BL"],
+                DK=Dk, DKP=consts["DKP"], DV=consts["DV"], DVP=consts["DVP"], **finish,
+                num_warps=8 if consts["DKP"] + consts["DVP"] > 256 else 4)
         # The last range also zeroes a folded dq's rows past the sequence (keeps them, with acc).
         pad = q.shape[2] // G - T if folded and t1 == T else 0
         _slot_sum(dqp, None, range_index, dq, group_strides(dq, G, folded), None, t0, pad, acc=acc is not None)
