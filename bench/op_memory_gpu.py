@@ -2,6 +2,7 @@
 
     python -m bench.op_memory_gpu --out runs/bench/op_memory.json --shapes g4:65536 bench:65536
     python -m bench.op_memory_gpu --timeline --out runs/bench/op_memory_timeline.json --shapes bench:65536
+    python -m bench.op_memory_gpu --timeline --partial-mib 768 --out runs/bench/op_memory_768.json
 
 With --timeline, for the op alone (gradients by autograd.grad, as nsa-flex bench takes them): every
 allocation and free of 48 MiB or more in order, with the running total over the inputs and the line
@@ -9,7 +10,8 @@ that made it, where the peak falls among them, and what is alive then.
 
 For each preset:T, the op as nsa_attention runs by default (impl="flex", compiled on CUDA) on
 the attention bench's random bf16 inputs with gradients (nsa_flex.bench.impls.nsa_inputs), and dense cuDNN
-SDPA with GQA: two warm-up calls, then one fwd+bwd under the allocator's trace, replayed to the
+SDPA with GQA; --partial-mib: the op with that budget for the selected op's partials
+(FlexTiles.sel_partial_bytes) instead of its default. Two warm-up calls, then one fwd+bwd under the allocator's trace, replayed to the
 allocations alive at the peak, grouped by the line that made them (bench.memory_probe_gpu.peak_of).
 """
 
@@ -23,7 +25,10 @@ import torch.nn.functional as F
 
 from bench.common import header, json_saver
 from bench.memory_probe_gpu import peak_of, source_of, trace_of
+from nsa_flex import flex
 from nsa_flex.attention import nsa_attention
+from nsa_flex.flex import compiled
+from nsa_flex.flex.tuning import FlexTiles
 from nsa_flex.bench.attention import attention_config
 from nsa_flex.bench.impls import Problem, nsa_inputs
 
@@ -38,13 +43,22 @@ def _case(preset: str, T: int):
     return cfg, x, torch.randn(1, T, cfg.n_heads, cfg.dv, device="cuda", dtype=torch.bfloat16)
 
 
-def measure(preset: str, T: int, impl: str) -> dict:
+def _op(x: dict, cfg, partial_mib: int):
+    """The op's output as nsa_attention gives it by default, or with partial_mib MiB of partials."""
+    if not partial_mib:
+        return nsa_attention(**x, config=cfg, impl="flex")
+    args = [x[n] for n in ("q", "k", "v", "k_cmp", "v_cmp", "gates")]
+    o, _ = compiled.run(flex.nsa_flex, True, *args, cfg, tiles=FlexTiles(sel_partial_bytes=partial_mib * MIB))
+    return o
+
+
+def measure(preset: str, T: int, impl: str, partial_mib: int = 0) -> dict:
     """The row of one (preset, T, impl): the peak of one fwd+bwd after two warm-up calls, and what is alive then."""
     cfg, x, do = _case(preset, T)
 
     def forward():
         if impl == "nsa":
-            return nsa_attention(**x, config=cfg, impl="flex")
+            return _op(x, cfg, partial_mib)
         q, k, v = (t.transpose(1, 2) for t in (x["q"], x["k"], x["v"]))
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
@@ -65,13 +79,13 @@ def measure(preset: str, T: int, impl: str) -> dict:
             "max_allocated_mib": torch.cuda.max_memory_allocated() / MIB, **peak_of(run, 40)}
 
 
-def timeline(preset: str, T: int, big: int = 48 * MIB) -> dict:
+def timeline(preset: str, T: int, big: int = 48 * MIB, partial_mib: int = 0) -> dict:
     """The op's allocation timeline of one fwd+bwd after two warm-up calls (see the module docstring)."""
     cfg, x, do = _case(preset, T)
     leaves = [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def run():
-        o = nsa_attention(**x, config=cfg, impl="flex")
+        o = _op(x, cfg, partial_mib)
         torch.autograd.grad(o, leaves, do)
 
     run()
@@ -94,7 +108,7 @@ def timeline(preset: str, T: int, big: int = 48 * MIB) -> dict:
                             source_of(gone.get("frames", []))[:120]])
     alive = sorted(([round(e["size"] / MIB), source_of(e.get("frames", []))[:230]] for e in at_peak
                     if e["size"] >= 16 * MIB), key=lambda a: -a[0])
-    return {"preset": preset, "T": T, "base_mib": base / MIB, "peak_over_base_mib": peak / MIB, "peak_at": peak_at,
+    return {"preset": preset, "T": T, "partial_mib": partial_mib, "base_mib": base / MIB, "peak_over_base_mib": peak / MIB, "peak_at": peak_at,
             "seq": seq, "alive": alive}
 
 
@@ -103,6 +117,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="+", default=["g4:65536"], help="preset:T each")
     p.add_argument("--timeline", action="store_true", help="The op's allocation timeline instead (see above).")
+    p.add_argument("--partial-mib", type=int, default=0, help="The selected op's partial budget (0: its default).")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     # The graph compiled here, not one Inductor cached from another version of the code.
@@ -115,7 +130,7 @@ def main() -> None:
         if args.timeline:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
-            row = timeline(preset, int(T))
+            row = timeline(preset, int(T), partial_mib=args.partial_mib)
             record["rows"].append(row)
             print(f"{spec}: peak over the inputs {row['peak_over_base_mib']:.0f} MiB, event {row['peak_at']} of "
                   f"{len(row['seq'])}", flush=True)
@@ -123,7 +138,7 @@ def main() -> None:
             continue
         for impl in ("nsa", "dense"):
             torch.cuda.empty_cache()
-            row = {"preset": preset, **measure(preset, int(T), impl)}
+            row = {"preset": preset, "partial_mib": args.partial_mib, **measure(preset, int(T), impl, args.partial_mib)}
             record["rows"].append(row)
             print(f"{spec} {impl}: peak {row['max_allocated_mib']:.0f} MiB", flush=True)
             for g in row["groups"][:20]:
