@@ -101,8 +101,6 @@ def gated_branches(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, confi
         if g.q.shape[:3] != (cmp_rows.shape[0] * cmp_rows.shape[1], cmp_rows.shape[2] // g.q.shape[2], g.q.shape[2]):
             raise ValueError(f"gated_branches: grouped queries {tuple(g.q.shape)} do not match cmp_rows "
                              f"{tuple(cmp_rows.shape)} ([B*Hkv, rows / Tc, Tc, Dk])")
-        if cmp_head > T * G:
-            raise ValueError(f"gated_branches: cmp_head={cmp_head} is past q's {T * G} folded rows")
         # g.q is not kept: the backward folds q again (the call's queries are its rows).
         cmp = (g.k, g.v, g.lse, g.seed, g.offset, g.cudnn)
     if not is_byte_count(partial_bytes, zero=True):
@@ -166,7 +164,7 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: T
                                                      cmp_cudnn, scale, cmp_head)
         dqw, dk, dv = window_op.twin.backward(d_win, fold(q, Hkv), k, v, group, window, scale)
         dqs, dks, dvs = selected_twin.backward(d_sel, q, k, v, o_sel, lse_sel, block_indices, None, scale, sel_block)
-        rows = _cmp_rows_end(q, cmp_rows, cmp_head, add)
+        rows = _cmp_rows_end(q, cmp_rows, cmp_head, add is not None)
         dqw = _with_rows(torch.nn.functional.pad(dqw, (0, 0, 0, rows - dqw.shape[2])), add)
         return unfold(dqw[:, :, :T * group], T) + dqs, dk + dks, dv + dvs, d_cmp, d_gates, *cmp_grads
     d_cmp, d_gates, delta_sel, delta_win, gate_sel, gate_win = backward_deltas(
@@ -218,17 +216,17 @@ def _compressed_backward(d_cmp: Tensor, cmp_rows: Tensor, q: Tensor, k_cmp, v_cm
     from nsa_flex.flex.compressed_groups import grouped_backward, to_grouped
 
     Tc, n = k_cmp.shape[2], cmp_rows.shape[2]
-    q_room = fold_op(q, cmp_rows.shape[1], rows=_cmp_rows_end(q, cmp_rows, cmp_head, True))
+    q_room = fold_op(q, cmp_rows.shape[1], rows=_cmp_rows_end(q, cmp_rows, cmp_head, grouped=True))
     q4 = to_grouped(q_room[:, :, cmp_head:cmp_head + n], Tc)
     parts, dk4, dv4 = grouped_backward(to_grouped(d_cmp, Tc), to_grouped(cmp_rows, Tc), q4, k_cmp, v_cmp, lse_cmp,
                                        cmp_seed, cmp_offset, cmp_cudnn, scale, dq_parts=True)
     return empty(), (parts, cmp_head), (dk4, dv4)
 
 
-def _cmp_rows_end(q: Tensor, cmp_rows: Tensor, cmp_head: int, add) -> int:
-    """Folded rows a kv head that hold q's T*G rows and the grouped call's (its pad rows past T*G)."""
+def _cmp_rows_end(q: Tensor, cmp_rows: Tensor, cmp_head: int, grouped: bool) -> int:
+    """Folded rows a kv head: q's T*G, and with the grouped call also its rows past T*G (padding)."""
     rows = q.shape[1] * (q.shape[2] // cmp_rows.shape[1])
-    return rows if add is None else max(rows, cmp_head + cmp_rows.shape[2])
+    return max(rows, cmp_head + cmp_rows.shape[2]) if grouped else rows
 
 
 def _with_rows(dq: Tensor, add) -> Tensor:
