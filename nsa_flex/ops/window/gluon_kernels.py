@@ -120,12 +120,18 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(v_desc, [k_row + kb, k_col], bar, v_bufs.index(idx))
 
     @gluon.jit
-    def _rows_to_smem(dst, ptr, b, h, r, ok, s_b, s_h, s_t, s_g, col, G: gl.constexpr):
-        """Load folded rows r (token r // G, group member r % G; zeros where not ok) of a tensor with
-        (batch, kv head, token, member) strides (folded or unfolded q, see kernels._rows4) and store
-        them into dst, visible to the warpgroup's wgmma."""
+    def _row_at(b, h, r, s_b, s_h, s_t, s_g, G: gl.constexpr):
+        """Offsets of folded rows r of (b, kv head h), token r // G and group member r % G, in a
+        tensor with (batch, kv head, token, member) strides: folded or q's own [B, T, Hq, D]
+        layout (kernels._rows4)."""
         r64 = r.to(gl.int64)
-        at = b * s_b + h * s_h + (r64 // G) * s_t + (r64 % G) * s_g
+        return b * s_b + h * s_h + (r64 // G) * s_t + (r64 % G) * s_g
+
+    @gluon.jit
+    def _rows_to_smem(dst, ptr, b, h, r, ok, s_b, s_h, s_t, s_g, col, G: gl.constexpr):
+        """Load folded rows r (zeros where not ok; _row_at) and store them into dst, visible to the
+        warpgroup's wgmma."""
+        at = _row_at(b, h, r, s_b, s_h, s_t, s_g, G)
         dst.store(gl.load(ptr + at[:, None] + col[None, :], mask=ok[:, None], other=0.0))
         fence_async_shared()
         gl.thread_barrier()
@@ -266,12 +272,11 @@ if HAS_GLUON:
         sc2 = gl.cast(scale2, gl.float32)
         r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        r64 = r.to(gl.int64)
         # Rows past R (a folded q's pad rows) are zeros, so their P, dS and dQ are too.
         ok = (r < R)[:, None]
-        q_at = b * s_qb + h * s_qh + (r64 // G)[:, None] * s_qt + (r64 % G)[:, None] * s_qg + c[None, :]
+        q_at = _row_at(b, h, r, s_qb, s_qh, s_qt, s_qg, G)[:, None] + c[None, :]
         q = gl.load(Q + q_at, mask=ok, other=0.0)
-        do = gl.load(DO + b * s_db + h * s_dh + (r64 // G)[:, None] * s_dt + (r64 % G)[:, None] * s_dg + c[None, :],
+        do = gl.load(DO + _row_at(b, h, r, s_db, s_dh, s_dt, s_dg, G)[:, None] + c[None, :],
                      mask=ok, other=0.0)
         q_smem.store(q)
         do_smem.store(do)
@@ -362,8 +367,7 @@ if HAS_GLUON:
     def _rows_to_shared(dst, ptr, b, h, r, ok, s_b, s_h, s_t, s_g, col, G: gl.constexpr):
         """Start the copy of folded rows r (token r // G, group member r % G; zeros where not ok) of a
         tensor with (batch, kv head, token, member) strides into dst."""
-        r64 = r.to(gl.int64)
-        at = b * s_b + h * s_h + (r64 // G) * s_t + (r64 % G) * s_g
+        at = _row_at(b, h, r, s_b, s_h, s_t, s_g, G)
         async_copy.async_copy_global_to_shared(dst, ptr + at[:, None] + col[None, :], mask=ok[:, None])
 
     @gluon.jit
