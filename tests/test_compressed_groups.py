@@ -108,12 +108,12 @@ def test_cudnn_backward_slices():
     from nsa_flex.flex.compressed_groups import CUDNN_BACKWARD_BYTES, backward_slices
 
     Tc = 4095
-    # g4 at 64k (d*G = 64 heads, D=128): two rows a call; seeds-125m's heads (D=64): one call.
-    assert backward_slices(4, 64, 1, Tc, 128, 128) == (2, 64)
-    assert backward_slices(3, 64, 1, Tc, 64, 64) == (3, 64)
-    # G=16 (256 heads, D=128): half a row a call.
-    assert backward_slices(4, 256, 1, Tc, 128, 128) == (1, 128)
-    assert backward_slices(4, 1024, 1, Tc, 128, 128) == (1, 128)
+    # g4 at 64k (d*G = 64 heads, D=128): one row a call; seeds-125m's heads (D=64): two rows a call.
+    assert backward_slices(4, 64, 1, Tc, 128, 128) == (1, 64)
+    assert backward_slices(3, 64, 1, Tc, 64, 64) == (2, 64)
+    # G=16 (256 heads, D=128): a quarter of a row a call.
+    assert backward_slices(4, 256, 1, Tc, 128, 128) == (1, 64)
+    assert backward_slices(4, 1024, 1, Tc, 128, 128) == (1, 64)
     assert backward_slices(12, 8, 8, 10**6, 128, 128) == (12, 8)
     # Several kv heads: whole rows only.
     assert backward_slices(2, 512, 4, Tc, 128, 128) == (1, 512)

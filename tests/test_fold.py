@@ -1,5 +1,6 @@
-"""nsa_flex::fold (the folded GQA layout as an op): the kernel, interpreted on CPU or on CUDA,
-against the torch fold, forward and backward, and its argument checks."""
+"""nsa_flex::fold (the folded GQA layout as an op) and nsa_flex::fold_pairs (some (batch, kv head)
+pairs of it): the kernel, interpreted on CPU or on CUDA, against the torch fold, forward and
+backward, and the argument checks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from interpreter import interpreter_mark
 from nsa_flex import folded
-from nsa_flex.ops.fold import fold, kernels
+from nsa_flex.ops.fold import fold, fold_pairs, kernels
 
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 interpreter = interpreter_mark(getattr(kernels, "_fold_kernel", None))
@@ -56,6 +57,41 @@ def test_kernel_interpreted_zeroes_rows_past_the_sequence(monkeypatch):
 @CASES
 def test_kernel_cuda_equals_torch_fold(B, T, Hkv, G, D, extra, dtype):
     _check(B, T, Hkv, G, D, extra, dtype, "cuda")
+
+
+def _check_pairs(impl, device):
+    """Every run of pairs of B=2, Hkv=3 against the torch fold's rows of those pairs, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 37, 12, 24, generator=g).to(device)
+    want = folded.fold(x, 3, 160).reshape(6, 160, 24)
+    for first in range(6):
+        for count in range(1, 7 - first):
+            out = fold_pairs(x, 3, 160, first, count, impl=impl)
+            assert out.is_contiguous() and torch.equal(out, want[first:first + count]), (first, count)
+
+
+@interpreter
+def test_pairs_kernel_interpreted_equals_torch_fold():
+    _check_pairs("triton", "cpu")
+
+
+def test_pairs_twin_equals_torch_fold():
+    _check_pairs("torch", "cpu")
+
+
+@gpu
+def test_pairs_kernel_cuda_equals_torch_fold():
+    _check_pairs("auto", "cuda")
+
+
+@pytest.mark.parametrize("first, count", [(-1, 2), (5, 2), (0, 0), (6, 1), (True, 1), (0, 1.0)])
+def test_pairs_out_of_range(first, count):
+    with pytest.raises(ValueError, match=f"first={first!r}, count={count!r}: .* of the 6 \\(batch, kv head\\) pairs"):
+        fold_pairs(torch.randn(2, 3, 6, 8), 3, 6, first, count)
+
+
+def test_pairs_opcheck_cpu():
+    torch.library.opcheck(torch.ops.nsa_flex.fold_pairs.default, (torch.randn(2, 5, 4, 8), 2, 12, 1, 2, "torch"))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreter import interpreter_mark
+from interpreter import QUIET_NUMPY, interpreter_mark, interpreter_skip
 from nsa_flex import NSAConfig
 from nsa_flex.folded import fold
 from nsa_flex.ops import gated_sum, selected_attention, window_attention
@@ -245,16 +245,17 @@ def grouped_case(B, T, Hkv, G, D, LB, W, n, dtype=torch.float64, seed=2):
     return cfg, x, local_selection(B, Hkv, T, n, LB, seed), do
 
 
-def with_grouped(cfg, x, bi, impl, detached: bool):
+def with_grouped(cfg, x, bi, impl, detached: bool, cudnn: bool = False):
     """The node's output: the grouped call made without a gradient and its backward in the node
     (detached), or the call through autograd and its output's gradient out of the node. The call
-    reads q folded with the rows it reads past T*G (q_room, as the flex path makes it)."""
-    rows, grouped = _grouped_call(cfg, x, detached)
+    reads q folded with the rows it reads past T*G (q_room, as the flex path makes it). cudnn: the
+    call as cuDNN's (compressed_groups.cudnn_forward / cudnn_backward, whatever runs them)."""
+    rows, grouped = _grouped_call(cfg, x, detached, cudnn)
     return gated_branches(x["q"], x["k"], x["v"], bi, cfg, rows.x, rows.head, gates=x["gates"], impl=impl,
                           grouped=grouped)
 
 
-def _grouped_call(cfg, x, detached: bool = True):
+def _grouped_call(cfg, x, detached: bool = True, cudnn: bool = False):
     from nsa_flex.flex import compressed_groups
 
     T, G, Tc = x["k"].shape[1], cfg.n_heads // cfg.n_kv_heads, x["k_cmp"].shape[1]
@@ -262,7 +263,7 @@ def _grouped_call(cfg, x, detached: bool = True):
     scale = cfg.head_dim ** -0.5
     if detached:
         rows, _, grouped = compressed_groups.compressed_grouped_detached(q_room[:, :, :T * G], x["k_cmp"], x["v_cmp"],
-                                                                         cfg, scale, False, q_room=q_room)
+                                                                         cfg, scale, cudnn, q_room=q_room)
         return rows, grouped
     rows, _ = compressed_groups.compressed_grouped(q_room[:, :, :T * G], x["k_cmp"], x["v_cmp"], cfg, scale,
                                                    q_room=q_room)
@@ -288,6 +289,81 @@ def test_node_takes_the_grouped_calls_backward(G, Hkv, T):
     for name, a, b in zip(names, grads, want):
         assert b.abs().max() > 0, name
         assert (a - b).abs().max() <= bound * b.abs().max(), name
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=[
+    pytest.mark.skipif(interpreter_skip(getattr(kernels, "_dq_kernel", None)) is not None, reason="interpreter"),
+    QUIET_NUMPY])])
+@pytest.mark.parametrize("B,Hkv,G,T,split", [(2, 2, 4, 150, 1), (1, 1, 16, 64, 4)], ids=["rows", "heads"])
+def test_node_folds_each_cudnn_calls_rows(B, Hkv, G, T, split, impl, monkeypatch):
+    """The cuDNN path of the grouped call's backward in the node, cuDNN's calls done in torch: with
+    CUDNN_BACKWARD_BYTES at one batch row (four calls of one row each) or a quarter of one (four
+    calls of a row's heads), each call reads the queries of its own rows, folded for it, and the
+    node's output and gradients equal the call through autograd (fp64 twins; fp32 under the
+    interpreter, the node's kernels adding the four calls' dQ parts)."""
+    from nsa_flex.flex import compressed_groups
+    from nsa_flex.flex.compressed_groups import causal_attention_backward, causal_attention_lse
+
+    def forward(q, k, v, scale):
+        o, lse = causal_attention_lse(q, k, v, scale)
+        return o, lse.unsqueeze(-1), None, None  # cuDNN's lse is [N, H, L, 1]
+
+    seen = []
+
+    def backward(do, q, k, v, o, lse, seed, offset, scale):
+        seen.append(q.clone())
+        return causal_attention_backward(do, q, k, v, o, lse, scale)
+
+    monkeypatch.setattr(compressed_groups, "cudnn_forward", forward)
+    monkeypatch.setattr(compressed_groups, "_backward_call", backward)
+    dtype = torch.float64 if impl == "torch" else torch.float32
+    cfg, x, bi, do = grouped_case(B, T, Hkv, G, 32 if impl == "torch" else 64, 32, 64, 4, dtype=dtype)
+    Tc, dG = x["k_cmp"].shape[1], cfg.cmp_stride * G
+    monkeypatch.setattr(compressed_groups, "CUDNN_BACKWARD_BYTES", 4 * dG * Tc * 2 * cfg.head_dim // split)
+    o = with_grouped(cfg, x, bi, impl, detached=True, cudnn=True)
+    o_ref = with_grouped(cfg, x, bi, "torch", detached=False)
+    names = list(x)
+    grads = torch.autograd.grad(o, [x[n] for n in names], do)
+    want = torch.autograd.grad(o_ref, [x[n] for n in names], do)
+    # Each call's queries: the rows (split 1) or heads (split 4) of the whole call's, in order.
+    q4 = _grouped_call(cfg, x, detached=True)[1].q.detach()
+    assert len(seen) == 4 and torch.equal(torch.cat(seen, 0 if split == 1 else 1), q4)
+    eps = torch.finfo(dtype).eps
+    bound = 1e3 * eps + 64 * torch.finfo(torch.float32).eps
+    for name, a, b in zip(["o", *names], [o, *grads], [o_ref, *want]):
+        assert b.abs().max() > 0, name
+        assert (a - b).abs().max() <= bound * b.abs().max(), name
+
+
+@gpu
+@pytest.mark.parametrize("B,Hkv,G,T,split", [(2, 2, 4, 1000, 1), (1, 1, 16, 700, 4)], ids=["rows", "heads"])
+def test_node_cudnn_calls_gpu_against_fp64_twin(B, Hkv, G, T, split, monkeypatch):
+    """On CUDA in bf16 with cuDNN's grouped call, its backward in four calls (a batch row each, or a
+    quarter of a row's heads each) that read their own rows of q, folded for them: output and every
+    gradient against the fp64 twin, within 2x the bf16 twin's own error plus rounding."""
+    from nsa_flex.flex import compressed_groups
+
+    cfg, x, bi, do = grouped_case(B, T, Hkv, G, 128, 64, 512, 16, seed=4)
+    Tc, dG = x["k_cmp"].shape[1], cfg.cmp_stride * G
+    monkeypatch.setattr(compressed_groups, "CUDNN_BACKWARD_BYTES", 4 * dG * Tc * 2 * 128 // split)
+    calls = []
+    real = compressed_groups._backward_call
+    monkeypatch.setattr(compressed_groups, "_backward_call", lambda *a: calls.append(a[1].shape) or real(*a))
+
+    def run(dtype, impl, cudnn):
+        leaves = {n: t.detach().to("cuda", dtype).requires_grad_() for n, t in x.items()}
+        o = with_grouped(cfg, leaves, bi.cuda(), impl, detached=cudnn, cudnn=cudnn)
+        return (o.detach(), *torch.autograd.grad(o, list(leaves.values()), do.to("cuda", dtype)))
+
+    got = run(torch.bfloat16, "auto", True)
+    assert len(calls) == 4 and all(shape[:2] == ((1, dG) if split == 1 else (1, dG // 4)) for shape in calls)
+    low = run(torch.bfloat16, "torch", False)
+    want = run(torch.float64, "torch", False)
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, a, lo, w in zip(("o", *x), got, low, want):
+        err = (a.double() - w).abs().max().item()
+        bound = 2 * (lo.double() - w).abs().max().item() + eps / 2 * w.abs().max().item()
+        assert err <= bound, f"{name}: error {err:.3e} > bound {bound:.3e}"
 
 
 @interpreter

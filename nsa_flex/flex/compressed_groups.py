@@ -58,11 +58,11 @@ def cudnn_attention_lse(q, k, v, scale: float):
     return o, lse.reshape(q.shape[:3])
 
 
-CUDNN_BACKWARD_BYTES = 512 << 20
+CUDNN_BACKWARD_BYTES = 256 << 20
 """The most bytes of cuDNN's fp32 per-query-head dK / dV one backward call may hold (see
-backward_slices). 512 MiB: G=16 at 64k (d*G = 256 heads, 1 GiB a batch row) takes two calls a row
-and seeds-125m's heads one call in all (docs/decisions.md, "The compressed branch as one cuDNN
-call")."""
+backward_slices). 256 MiB: g4 at 64k (d*G = 64 heads, 256 MiB a batch row) takes one row a call,
+G=16 at 64k (1 GiB a row) four calls a row, seeds-125m's heads at 64k two rows a call
+(docs/decisions.md, "The compressed branch as one cuDNN call")."""
 
 
 def backward_slices(N: int, H: int, Hk: int, L: int, Dk: int, Dv: int) -> tuple[int, int]:
@@ -94,38 +94,54 @@ def cudnn_forward(q, k, v, scale: float):
     return o, lse, seed, offset
 
 
+Queries = Callable[[int, int], torch.Tensor]
+"""(first, count) -> the call's queries of batch rows first .. first + count - 1 ([count, H, L, Dk])."""
+
+
 def cudnn_backward(do, q, k, v, o, lse, seed, offset, scale: float, dq_parts: bool = False):
     """(dq, dk, dv) of cudnn_forward's call, in the calls backward_slices gives.
 
-    A row split over calls of its heads (one kv head) gets its dK / dV as the sum of the calls' in
-    fp32, one rounding more per call than one call would make (cuDNN returns each in q's dtype);
-    its dQ heads are the calls' own. dq_parts: dq as [(first row, dq of the rows)], the calls' own
-    tensors where they split by rows (no copy into one dq)."""
-    N, H, L, Dk = q.shape
-    rows, heads = backward_slices(N, H, k.shape[1], L, Dk, v.shape[-1])
+    q: the call's queries, or Queries giving each call's rows when it runs (the gated node's
+    backward folds q's rows call by call, so that only one call's copy exists). A row split over
+    calls of its heads (one kv head) gets its dK / dV as the sum of the calls' in fp32, one
+    rounding more per call than one call would make (cuDNN returns each in q's dtype); its dQ heads
+    are the calls' own. dq_parts: dq as [(first row, dq of the rows)], the calls' own tensors where
+    they split by rows (no copy into one dq)."""
+    N, H, L, Dv = do.shape
+    Dk = k.shape[-1]
+    rows, heads = backward_slices(N, H, k.shape[1], L, Dk, Dv)
+    queries = q if callable(q) else lambda first, count: q[first:first + count]
 
-    def call(r, hs):
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do[r, hs], q[r, hs], k[r], v[r], o[r, hs], lse[r, hs], seed, offset, None, None, None, L, L, 0.0, True,
-            scale=scale)
+    def call(r, qr, hs):
+        return _backward_call(do[r, hs], qr[:, hs], k[r], v[r], o[r, hs], lse[r, hs], seed, offset, scale)
 
     every = slice(None)
     if rows >= N and heads >= H:
-        dq, dk, dv = call(every, every)
+        dq, dk, dv = call(every, queries(0, N), every)
         return ([(0, dq)] if dq_parts else dq), dk, dv
     grads = []
     for i in range(0, N, rows):
         r = slice(i, i + rows)
+        qr = queries(i, min(rows, N - i))
         if heads >= H:
-            grads.append(call(r, every))
-            continue
-        parts = [call(r, slice(h, h + heads)) for h in range(0, H, heads)]
-        dk, dv = (torch.stack([p[j] for p in parts]).float().sum(0).to(q.dtype) for j in (1, 2))
-        grads.append((torch.cat([p[0] for p in parts], 1), dk, dv))
+            grads.append(call(r, qr, every))
+        else:
+            parts = [call(r, qr, slice(h, h + heads)) for h in range(0, H, heads)]
+            dk, dv = (torch.stack([p[j] for p in parts]).float().sum(0).to(do.dtype) for j in (1, 2))
+            grads.append((torch.cat([p[0] for p in parts], 1), dk, dv))
+            del parts
+        del qr  # before the next call's rows exist
     dk, dv = (torch.cat([g[j] for g in grads]) for j in (1, 2))
     if dq_parts:
         return [(i * rows, g[0]) for i, g in enumerate(grads)], dk, dv
     return torch.cat([g[0] for g in grads]), dk, dv
+
+
+def _backward_call(do, q, k, v, o, lse, seed, offset, scale: float):
+    """One cuDNN backward call of cudnn_forward's (causal, no dropout)."""
+    L = q.shape[2]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, o, lse, seed, offset, None, None, None, L, L, 0.0, True, scale=scale)
 
 
 class _CudnnCausal(torch.autograd.Function):
@@ -287,9 +303,10 @@ def compressed_grouped_detached(q_fold: torch.Tensor, k_cmp: torch.Tensor, v_cmp
 
 def grouped_backward(do4, o4, q4, k4, v4, lse4, seed, offset, cudnn: bool, scale: float, dq_parts: bool = False):
     """(dq4, dk4, dv4) of compressed_grouped_detached's call, from its output gradient do4 and output
-    o4 ([B*Hkv, dG, Tc, Dv], to_grouped of the folded rows) and the Grouped fields; dq_parts: dq4
-    as cudnn_backward gives it so."""
+    o4 ([B*Hkv, dG, Tc, Dv], to_grouped of the folded rows) and the Grouped fields; q4 the call's
+    queries or Queries (cudnn_backward's q); dq_parts: dq4 as cudnn_backward gives it so."""
     if cudnn:
         return cudnn_backward(do4, q4, k4, v4, o4, lse4, seed, offset, scale, dq_parts)
+    q4 = q4(0, do4.shape[0]) if callable(q4) else q4
     dq, dk, dv = causal_attention_backward(do4, q4, k4, v4, o4, lse4, scale)
     return ([(0, dq)] if dq_parts else dq), dk, dv

@@ -99,7 +99,7 @@ class FlexTiles:
     sel_partial_bytes: int | None = None
     """Where that node runs: the bytes of the block-centric selected op's partial buffers (o in the
     forward, dQ in the backward) per token range; longer sequences run in several ranges, each
-    with its own index build and dK/dV pass. None: the op's default, 1 GiB, a memory bound for the
+    with its own index build and dK/dV pass. None: the op's default, 640 MiB, a memory bound for the
     op's own peak (ops.selected_attention.launch.PARTIAL_BYTES). A model in training, whose peak is
     the activations, takes more (NSAModelConfig.sel_partial_bytes)."""
 

@@ -24,7 +24,7 @@ call's backward (given `grouped`, the call made without a gradient of its own): 
 gated sum's, so that its buffers (cuDNN's fp32 per-head dK / dV) come and go before the window
 and selected branches' exist. As separate nodes the compressed backward ran last, beside the
 others' gradients, and at G=16, 64k it was the op's peak (docs/decisions.md). The call's queries
-are q's own rows, folded (from cmp_head on): the backward folds q again for the call, and the
+are q's own rows, folded (from cmp_head on): the backward folds q again, call by call, and the
 window's dQ kernel adds the call's dQ into q's gradient as it writes it, so the fold and that
 dQ are gone before the selected backward's partials exist (the g4 op's peak at 64k).
 
@@ -47,7 +47,7 @@ from torch.library import triton_op
 
 from nsa_flex.config import NSAConfig
 from nsa_flex.folded import fold, unfold
-from nsa_flex.ops.fold import fold as fold_op
+from nsa_flex.ops.fold import fold_pairs
 from nsa_flex.ops.gated_sum import _forward_impl as gated_sum_forward
 from nsa_flex.ops.gated_sum import backward_deltas, check_branch_outputs
 from nsa_flex.ops import window as window_op
@@ -208,18 +208,24 @@ def _compressed_backward(d_cmp: Tensor, cmp_rows: Tensor, q: Tensor, k_cmp, v_cm
     """(d cmp_rows, add, (dk4, dv4)). Without the grouped call (k_cmp None): d_cmp, None and two
     empty tensors. With it, an empty d cmp_rows, the call's dQ as q's rows to add (window
     backward's `add`: its parts from cmp_head on) and the call's dk4, dv4. The call's queries are
-    q folded again here (nsa_flex::fold's kernel on CUDA), gone once its backward is done."""
+    q folded again here (nsa_flex::fold_pairs' kernel on CUDA), for each cuDNN call only the
+    (batch, kv head) rows it reads, gone once that call is done: at G=4, 64k one row's 64 MiB
+    instead of the whole 256 MiB beside cuDNN's buffers (docs/decisions.md)."""
     empty = lambda: d_cmp.new_empty(0)  # noqa: E731 (a tensor each: an op's outputs may not alias)
     if k_cmp is None:
         return d_cmp, None, (empty(), empty())
     # flex imports this module: the grouped call's code comes at call time.
     from nsa_flex.flex.compressed_groups import grouped_backward, to_grouped
 
-    Tc, n = k_cmp.shape[2], cmp_rows.shape[2]
-    q_room = fold_op(q, cmp_rows.shape[1], rows=_cmp_rows_end(q, cmp_rows, cmp_head, grouped=True))
-    q4 = to_grouped(q_room[:, :, cmp_head:cmp_head + n], Tc)
-    parts, dk4, dv4 = grouped_backward(to_grouped(d_cmp, Tc), to_grouped(cmp_rows, Tc), q4, k_cmp, v_cmp, lse_cmp,
-                                       cmp_seed, cmp_offset, cmp_cudnn, scale, dq_parts=True)
+    Tc, Hkv, n = k_cmp.shape[2], cmp_rows.shape[1], cmp_rows.shape[2]
+    end = _cmp_rows_end(q, cmp_rows, cmp_head, grouped=True)
+
+    def queries(first: int, count: int) -> Tensor:
+        """The call's queries [count, d*G, Tc, Dk] of (batch, kv head) rows first .. first + count - 1."""
+        return to_grouped(fold_pairs(q, Hkv, end, first, count)[None, :, cmp_head:cmp_head + n], Tc)
+
+    parts, dk4, dv4 = grouped_backward(to_grouped(d_cmp, Tc), to_grouped(cmp_rows, Tc), queries, k_cmp, v_cmp,
+                                       lse_cmp, cmp_seed, cmp_offset, cmp_cudnn, scale, dq_parts=True)
     return empty(), (parts, cmp_head), (dk4, dv4)
 
 

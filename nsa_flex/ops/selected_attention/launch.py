@@ -27,11 +27,12 @@ TILE_KEYS = ("fwd_BT", "bwd_BT", "fwd_chunks", "bwd_chunks", "fwd_warps", "bwd_w
 
 # The partial buffers (o in the forward, dQ in the backward: partial_slots() partials per token
 # and query head) of one token range stay under this many bytes; longer sequences run range by range.
-# At T=64k, G=4 (H100) 1 GiB ranges (16k tokens) took 7.26 / 14.59 ms forward / backward against
-# 7.78 / 16.28 with 512 MiB: fuller work items, fewer index builds (docs/decisions.md). The default
-# of the op, whose peak they are; tiles["partial_bytes"] sets another (a model in training, where
-# the activations are the peak, takes more: NSAModelConfig.sel_partial_bytes).
-PARTIAL_BYTES = 1 << 30
+# They are the op's peak: with 1 GiB (four ranges at g4, 64k) the g4 op's fwd+bwd peaked at 1838 MiB
+# over its inputs against dense cuDNN's 1672, with 640 MiB (six) at 1542, for 0.2-1.2 ms more of
+# 26 (H200; fewer ranges are faster: fuller work items, fewer index builds, docs/decisions.md).
+# tiles["partial_bytes"] sets another (a model in training, where the activations are the peak,
+# takes more: NSAModelConfig.sel_partial_bytes).
+PARTIAL_BYTES = 640 << 20
 
 
 # From this many tokens (B * T) on, the long-sequence settings (H100, the g4 op, docs/decisions.md):
@@ -137,8 +138,8 @@ def range_tokens(B: int, T: int, Hq: int, n: int, D: int, dtype: torch.dtype, ti
     partial_slots) within tiles["partial_bytes"]
     (0 or absent: PARTIAL_BYTES), a multiple of 64 tokens (at least 64), or all T when that fits
     (at least 1: T = 0 has no ranges). The fewest ranges that fit, of even length: at seeds-125m's
-    heads and 64k two of 32k tokens (768 MiB of partials) rather than 43648 and 21888 (1 GiB, the
-    op's peak). tiles["range_tokens"] > 0 overrides."""
+    heads and 64k, 16 slots, three of 21888 tokens (513 MiB of partials) rather than 27264, 27264
+    and 11008 (639 MiB, the op's peak). tiles["range_tokens"] > 0 overrides."""
     tiles = tiles or {}
     fixed = tiles.get("range_tokens", 0)
     if fixed:
