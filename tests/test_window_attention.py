@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-from interpreter import interpreter_mark
+from interpreter import QUIET_NUMPY, interpreter_mark, interpreter_skip
 from nsa_flex import reference
 from nsa_flex.folded import fold, unfold
 from nsa_flex.ops import window as window_op
-from nsa_flex.ops.window import kernels, window_attention
+from nsa_flex.ops.window import kernels, window_and_local, window_attention
 
 gpu = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 interpreter = interpreter_mark(getattr(kernels, "_fwd_kernel", None))
@@ -181,6 +181,37 @@ def test_launches_read_q_unfolded_interpreted(G, LB, poisoned):
     assert bwd[0][0].abs().max() > 0 and bwd[0][1].abs().max() > 0
 
 
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=[
+    pytest.mark.skipif(interpreter_skip(getattr(kernels, "_fwd_kernel", None)) is not None, reason="interpreter"),
+    QUIET_NUMPY])])
+@pytest.mark.parametrize("local", [0, 32], ids=["window", "window-and-local"])
+def test_op_reads_q_unfolded(impl, local):
+    """The public op with folded=False (q [B, T, Hq, D], as the forward without gradients gives it):
+    o, the local partial and every gradient equal the folded q's bit for bit (dQ unfolded), B = 2,
+    the twin in fp64 and the kernels under the interpreter in fp32."""
+    B, T, Hkv, G, D, W = 2, 100, 2, 4, 64, 64
+    dtype = torch.float64 if impl == "torch" else torch.float32
+    q, k, v, do = make_inputs(B, T, Hkv, G, D, D, dtype, seed=8)
+    q_btd = unfold(q, T).contiguous()
+
+    def run(x, folded):
+        x, kk, vv = (t.detach().clone().requires_grad_() for t in (x, k, v))
+        if local:
+            o, o_loc, lse_loc = window_and_local(x, kk, vv, G, W, local, impl=impl, folded=folded)
+        else:
+            o, o_loc, lse_loc = window_attention(x, kk, vv, G, W, impl=impl, folded=folded), None, None
+        return (o, o_loc, lse_loc, *torch.autograd.grad(o, (x, kk, vv), do))
+
+    a, b = run(q, True), run(q_btd, False)
+    for name, x, y in zip(("o", "o_loc", "lse_loc", "dq", "dk", "dv"), a, b):
+        if name == "dq":
+            x = unfold(x, T)
+        assert (x is None and y is None) or torch.equal(x, y), name
+    assert a[3].abs().max() > 0
+    with pytest.raises(ValueError, match="expected \\[2, 100, 8, 64\\]"):
+        window_attention(q, k, v, G, W, impl=impl, folded=False)
+
+
 SMALL_TILES = [  # (G, row tiles, fwd / dq key blocks, dK/dV key blocks)
     pytest.param(3, 32, 16, 32, id="G3-rows-split-tokens"),
     # One token per 16-row tile: tiles start at every token, so every edge of the loops' parts occurs.
@@ -234,6 +265,9 @@ def _op_args():
 
 def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.nsa_flex.window_attention.default, _op_args())
+    q, k, v, *rest = _op_args()
+    q_btd = unfold(q.detach()[:, :, :80], 40).contiguous().requires_grad_()
+    torch.library.opcheck(torch.ops.nsa_flex.window_attention.default, (q_btd, k, v, *rest, False))
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -316,16 +350,18 @@ def test_win_impl_choice_and_its_errors():
 
 
 @pytest.mark.parametrize("cmp_impl", [None, "torch"], ids=["fold", "q-room"])
-def test_whole_op_with_window_op_equals_the_reference(cmp_impl):
-    """nsa_flex with win_impl="torch" (q read from the grouped call's buffer with cmp_impl="torch"):
-    output and selection equal the reference's in fp64."""
+@pytest.mark.parametrize("W", [40, 64], ids=["window", "window-and-local"])
+def test_whole_op_with_window_op_equals_the_reference(cmp_impl, W):
+    """nsa_flex without gradients with win_impl="torch" (the window op and the selected op reading q
+    in place; with W = 64 the window op also gives the local blocks' partial): output and
+    selection equal the reference's in fp64."""
     from naive import random_inputs
     from nsa_flex import NSAConfig
     from nsa_flex.flex import nsa_flex
     from nsa_flex.flex.tuning import FlexTiles
     from nsa_flex.reference import nsa_reference
 
-    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=32, head_dim_v=24, window=40, n_selected=4, sel_block=32)
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, head_dim=32, head_dim_v=24, window=W, n_selected=4, sel_block=32)
     x = random_inputs(cfg, 150, B=1, seed=12)
     o_ref, sel_ref = nsa_reference(**x, config=cfg)
     with torch.no_grad():

@@ -147,21 +147,27 @@ def nsa_flex_no_grad(q, k, v, k_cmp, v_cmp, gates, config: NSAConfig, *, block_i
     the window call comes before the selected op, and its output lives while the selected op's
     partials do (no backward keeps it): ~270 MiB more forward peak at 64k, G=4, for ~0.2 ms
     (docs/decisions.md, "The forward without gradients").
+
+    The window op (where it runs) and the selected op read q [B, T, Hq, Dk] in place: the folded
+    copy lives only for the compressed call (and a Flex window call), not beside the selected op's
+    partials (256 MiB at G=4, 64k).
     """
     _check_device(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     qs = _queries(q, k, k_cmp, v_cmp, config, cu_seqlens, tiles)
+    scale = qs.scale
     forced_local = forces_local(block_indices, config, tiles)
     o_cmp, block_indices, _ = _compressed_and_selection(q, qs, k_cmp, v_cmp, config, cu_seqlens, tiles,
                                                         block_indices)
     k_win, v_win = (k, v) if k_win is None else (k_win, v_win)
-    o_win, local = window_and_local_branch(qs.fold, k_win, v_win, config, qs.scale, tiles, qs.docs, qs.room,
-                                           with_local=k_win is k and forced_local)
+    o_win, local = window_and_local_branch(qs.fold, k_win, v_win, config, scale, tiles, qs.docs, qs.room,
+                                           with_local=k_win is k and forced_local, q=q)
+    del qs  # the folded copy, eagerly too
     if local is None:
-        o = selected_gated_sum(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, o_win, gates,
-                               scale=qs.scale, cu_seqlens=cu_seqlens, folded=True)
+        o = selected_gated_sum(q, k, v, block_indices, config, o_cmp.x, o_cmp.head, o_win, gates,
+                               scale=scale, cu_seqlens=cu_seqlens)
     else:
-        o = _gated_with_window_local(qs.buffer, k, v, block_indices, config, o_cmp.x, o_cmp.head, o_win, gates,
-                                     local, scale=qs.scale, folded=True)
+        o = _gated_with_window_local(q, k, v, block_indices, config, o_cmp.x, o_cmp.head, o_win, gates,
+                                     local, scale=scale)
     return o, block_indices
 
 
@@ -470,22 +476,25 @@ def window_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTile
 
 
 def window_and_local_branch(q_fold, k, v, config: NSAConfig, scale: float, tiles: FlexTiles,
-                            docs: Documents | None = None, q_room=None, with_local: bool = True):
+                            docs: Documents | None = None, q_room=None, with_local: bool = True, q=None):
     """(o as window_branch gives it, local): local is the selected branch's partial over each
     token's two local blocks (ops.window.window_and_local) where with_local, the window op runs
-    and its tiles fit (window_op.local_fits), else None. k, v: the selected branch's keys too."""
+    and its tiles fit (window_op.local_fits), else None. k, v: the selected branch's keys too.
+    q: q [B, T, Hq, Dk] itself, which the window op then reads in place (folded=False) instead of
+    the folded rows (the Flex call reads those)."""
     T = k.shape[1]
     G = q_fold.shape[2] // T
     impl = window_impl(q_fold, k, v, tiles, docs)
-    q_win = q_fold if q_room is None else q_room
     if impl == "flex":
         mask = shape_mask(window_block_mask, T, config.window, q_fold.device, tiles.win_block, G, docs=docs)
         return _call(_flex_win, q_fold, k.transpose(1, 2), v.transpose(1, 2), mask, scale, "win"), None
+    q_win = q if q is not None else q_fold if q_room is None else q_room
+    folded = q is None
     if with_local and window_op.local_fits(config.window, config.sel_block, q_fold.shape[-1], v.shape[-1]):
         o, o_loc, lse_loc = window_op.window_and_local(q_win, k, v, G, config.window, config.sel_block, scale=scale,
-                                                       impl=impl)
+                                                       impl=impl, folded=folded)
         return o, (o_loc, lse_loc)
-    return window_op.window_attention(q_win, k, v, G, config.window, scale=scale, impl=impl), None
+    return window_op.window_attention(q_win, k, v, G, config.window, scale=scale, impl=impl, folded=folded), None
 
 
 def _dense_lse(q_bhrd, k_bhtd, mask, scale: float) -> torch.Tensor:

@@ -8,6 +8,8 @@ blocks, only the two blocks at the band's edges masked, no block lists to read
 
 On CUDA with 16-bit inputs and Dk, Dv in HEAD_DIMS the op runs the Triton kernels; elsewhere the
 torch twin (twin.py). impl="triton" forces the kernels, e.g. on CPU under Triton's interpreter.
+With folded=False the op reads q [B, T, Hq, Dk] itself, in place (the forward without gradients:
+no folded copy beside the selected op's partials).
 """
 
 # No `from __future__ import annotations` here: torch.library reads the ops' annotations.
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from nsa_flex.folded import group_strides
+from nsa_flex.folded import fold, group_strides, unfold
 from nsa_flex.ops.capped_launch import TmaView, launch
 from nsa_flex.ops.triton_utils import HAS_TRITON, dense, quiet_without_triton
 from nsa_flex.ops.window import gluon_kernels, kernels, twin
@@ -38,23 +40,25 @@ def kernels_apply(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, *, scale: float | None = None,
-                     impl: str = "auto") -> Tensor:
+                     impl: str = "auto", folded: bool = True) -> Tensor:
     """o [B, Hkv, T*G, Dv] folded, in q's dtype; differentiable in q, k, v.
 
     q [B, Hkv, R, Dk]: folded queries (nsa_flex.folded; R >= T*G rows, those past T*G ignored and
-    their gradient zero), read in place. k [B, T, Hkv, Dk], v [B, T, Hkv, Dv], one dtype. group:
-    G, query heads per kv head. window: W >= 1 keys, the query's own included. impl: "auto" (the
-    kernels where kernels_apply, else the twin), "triton" (the kernels on any device: CPU only
-    under TRITON_INTERPRET=1) or "torch" (the twin).
+    their gradient zero), read in place; with folded=False q [B, T, Hq, Dk] itself, read in place
+    (no folded copy; its gradient in that layout). k [B, T, Hkv, Dk], v [B, T, Hkv, Dv], one
+    dtype. group: G, query heads per kv head. window: W >= 1 keys, the query's own included. impl:
+    "auto" (the kernels where kernels_apply, else the twin), "triton" (the kernels on any device:
+    CPU only under TRITON_INTERPRET=1) or "torch" (the twin).
     """
-    _check_inputs(q, k, v, group, window, impl)
+    _check_inputs(q, k, v, group, window, impl, folded)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _, _, _ = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, 0)
+    o, _, _, _ = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, 0, folded)
     return o
 
 
 def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, sel_block: int, *,
-                     scale: float | None = None, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                     scale: float | None = None, impl: str = "auto",
+                     folded: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(o, o_loc, lse_loc): window_attention's o, and the selected branch's partial over each
     token's two local selection blocks (its own, causally, and the one before), which the window
     holds whole: o_loc [B, Hkv, T*G, Dv] normalised, lse_loc [B, Hkv, T*G] fp32 base 2, no
@@ -62,7 +66,7 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
     store only; nsa_flex::selected_attention merges it in place of those two slots.
     Needs local_fits(window, sel_block, Dk, Dv); arguments otherwise as window_attention.
     """
-    _check_inputs(q, k, v, group, window, impl)
+    _check_inputs(q, k, v, group, window, impl, folded)
     if isinstance(sel_block, bool) or not isinstance(sel_block, int) or sel_block < 1:
         raise ValueError(f"sel_block={sel_block!r}: tokens per selection block, an int >= 1")
     if not local_fits(window, sel_block, q.shape[-1], v.shape[-1]):
@@ -71,7 +75,7 @@ def window_and_local(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, s
                          f"partial needs sel_block a multiple of the kernels' {bn}-key blocks and window >= "
                          "2 * sel_block (see local_fits)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, _, o_loc, lse_loc = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, sel_block)
+    o, _, o_loc, lse_loc = torch.ops.nsa_flex.window_attention(q, k, v, group, window, scale, impl, sel_block, folded)
     return o, o_loc, lse_loc
 
 
@@ -131,10 +135,11 @@ def _runs_kernels(q: Tensor, k: Tensor, v: Tensor, impl: str) -> bool:
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float, impl: str,
-                  local_block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  local_block: int, folded: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if not _runs_kernels(q, k, v, impl):
-        return twin.forward(q, k, v, group, window, scale, local_block)
-    return forward(q, k, v, group, window, scale, launch_config(q.shape[-1], v.shape[-1]), local_block)
+        return twin.forward(q if folded else fold(q, k.shape[2]), k, v, group, window, scale, local_block)
+    return forward(q, k, v, group, window, scale, launch_config(q.shape[-1], v.shape[-1]), local_block,
+                   folded=folded)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: float, cfg: dict[str, int],
@@ -184,10 +189,15 @@ def _kv_tiles(x: Tensor) -> TmaView:
 
 
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
-                   scale: float, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+                   scale: float, impl: str, folded: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     if not _runs_kernels(q, k, v, impl):
-        return twin.backward(do, q, k, v, group, window, scale)
-    return backward(do, q, k, v, o, lse, group, window, scale, launch_config(q.shape[-1], v.shape[-1]))
+        if folded:
+            return twin.backward(do, q, k, v, group, window, scale)
+        T = k.shape[1]
+        dq, dk, dv = twin.backward(do, fold(q, k.shape[2]), k, v, group, window, scale)
+        return unfold(dq, T).contiguous(), dk, dv
+    return backward(do, q, k, v, o, lse, group, window, scale, launch_config(q.shape[-1], v.shape[-1]),
+                    folded=folded)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
@@ -301,29 +311,29 @@ with quiet_without_triton():
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, group, window, scale, impl, local_block):
+def _forward_fake(q, k, v, group, window, scale, impl, local_block, folded=True):
     B, T, Hkv, _ = k.shape
     return (q.new_empty(B, Hkv, T * group, v.shape[-1]), q.new_empty(B, Hkv, T * group, dtype=torch.float32),
             *twin.local_buffers(q, k, v, group, local_block))
 
 
 @_backward_op.register_fake
-def _backward_fake(do, q, k, v, o, lse, group, window, scale, impl):
+def _backward_fake(do, q, k, v, o, lse, group, window, scale, impl, folded=True):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group, window, scale, impl, _ = inputs
+    q, k, v, group, window, scale, impl, _, folded = inputs
     o, lse, o_loc, lse_loc = output
     ctx.mark_non_differentiable(lse, o_loc, lse_loc)
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (group, window, scale, impl)
+    ctx.args = (group, window, scale, impl, folded)
 
 
 def _backward(ctx, do, _dlse, _do_loc, _dlse_loc):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.window_attention_backward(do, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
