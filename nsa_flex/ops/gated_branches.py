@@ -192,10 +192,10 @@ def _cmp_apart(cmp_rows: Tensor, k_cmp) -> bool:
 
     With the grouped call that gradient is consumed here, by the call's backward, which runs next
     (its buffers are gone before the window's and selected's exist). Beside q, o, o_cmp and it,
-    the deltas' launch holds o_sel and o_win, the call's backward its dQ and at most
-    CUDNN_BACKWARD_BYTES: the first is the larger moment where d cmp_rows (about as large as each
-    [T, Hq, Dv]) is larger than that bound (at G=16, 64k: 1 GiB against 512 MiB), and there it was
-    the op's peak (docs/decisions.md)."""
+    the deltas' launch holds o_sel and o_win, the call's backward its dQ, one call's folded rows
+    and at most CUDNN_BACKWARD_BYTES: the first is the larger moment where d cmp_rows (about as
+    large as each [T, Hq, Dv]) is larger than that bound (at G=16, 64k: 1 GiB against 256 MiB), and
+    there it was the op's peak (docs/decisions.md)."""
     if k_cmp is None:
         return False
     from nsa_flex.flex.compressed_groups import CUDNN_BACKWARD_BYTES
