@@ -191,11 +191,8 @@ def _kv_tiles(x: Tensor) -> TmaView:
 def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, group: int, window: int,
                    scale: float, impl: str, folded: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     if not _runs_kernels(q, k, v, impl):
-        if folded:
-            return twin.backward(do, q, k, v, group, window, scale)
-        T = k.shape[1]
-        dq, dk, dv = twin.backward(do, fold(q, k.shape[2]), k, v, group, window, scale)
-        return unfold(dq, T).contiguous(), dk, dv
+        dq, dk, dv = twin.backward(do, q if folded else fold(q, k.shape[2]), k, v, group, window, scale)
+        return (dq if folded else unfold(dq, k.shape[1]).contiguous()), dk, dv
     return backward(do, q, k, v, o, lse, group, window, scale, launch_config(q.shape[-1], v.shape[-1]),
                     folded=folded)
 
