@@ -189,9 +189,27 @@ def test_op_reads_q_unfolded(impl, local):
     """The public op with folded=False (q [B, T, Hq, D], as the forward without gradients gives it):
     o, the local partial and every gradient equal the folded q's bit for bit (dQ unfolded), B = 2,
     the twin in fp64 and the kernels under the interpreter in fp32."""
-    B, T, Hkv, G, D, W = 2, 100, 2, 4, 64, 64
     dtype = torch.float64 if impl == "torch" else torch.float32
-    q, k, v, do = make_inputs(B, T, Hkv, G, D, D, dtype, seed=8)
+    q, k, v, _, _ = reads_q_unfolded(impl, local, 2, 100, 2, 4, 64, 64, dtype, "cpu")
+    with pytest.raises(ValueError, match="expected \\[2, 100, 8, 64\\]"):
+        window_attention(q, k, v, 4, 64, impl=impl, folded=False)
+
+
+@gpu
+@pytest.mark.parametrize("local", [0, 64], ids=["window", "window-and-local"])
+@pytest.mark.parametrize("T, G, D", [(1000, 4, 128), (777, 16, 128), (1000, 3, 64)])
+def test_op_reads_q_unfolded_gpu(T, G, D, local):
+    """As test_op_reads_q_unfolded with the CUDA kernels in bf16 at the op's window (512): the
+    in-place launches equal the folded ones bit for bit, and the folded ones the fp64 oracle."""
+    q, k, v, do, got = reads_q_unfolded("auto", local, 2, T, 2, G, D, 512, torch.bfloat16, "cuda")
+    check((got[0], *got[3:]), q, k, v, do, G, 512)
+
+
+def reads_q_unfolded(impl, local, B, T, Hkv, G, D, W, dtype, device):
+    """Runs the op on folded q and on q [B, T, Hq, D] in place; asserts every output and gradient
+    equal (dQ unfolded). Returns the folded q, k, v, dO and the folded run's (o, o_loc, lse_loc, dq,
+    dk, dv)."""
+    q, k, v, do = make_inputs(B, T, Hkv, G, D, D, dtype, seed=8, device=device)
     q_btd = unfold(q, T).contiguous()
 
     def run(x, folded):
@@ -208,8 +226,7 @@ def test_op_reads_q_unfolded(impl, local):
             x = unfold(x, T)
         assert (x is None and y is None) or torch.equal(x, y), name
     assert a[3].abs().max() > 0
-    with pytest.raises(ValueError, match="expected \\[2, 100, 8, 64\\]"):
-        window_attention(q, k, v, G, W, impl=impl, folded=False)
+    return q, k, v, do, a
 
 
 SMALL_TILES = [  # (G, row tiles, fwd / dq key blocks, dK/dV key blocks)
