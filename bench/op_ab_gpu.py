@@ -19,7 +19,13 @@ off: they key on the Dynamo graph, which does not see these settings, and would 
 variant the first one's code. Then the variants run in turn, --reps rounds of: each call timed
 alone, synced (nsa_flex.bench.core.time_calls, as nsa-flex bench times it), then --calls calls
 back to back. Per variant: the medians, peak MiB, the op's Triton kernels from the profiler, and
-the largest difference of the output (and of dq, dk, dv) from the first variant's.
+the largest difference of the output (and of dq, dk, dv) from the first variant's. With
+--all-kernels the profiler's sums hold every kernel (cuDNN's and Inductor's too), not only the
+op's own; with --dense, dense causal cuDNN SDPA on the same q, k, v runs as one more variant in
+the same rounds ("dense-cudnn"; no output difference: its output is another function's).
+
+    python -m bench.op_ab_gpu --out $OUT/g16_fwd.json --preset bench -T 65536 --modes fwd \
+        --variants code=- --all-kernels --dense
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import header, row_recorder
+from bench.common import dense_cudnn, header, row_recorder
 from bench.selected_kernels_gpu import kernel_ms
 from nsa_flex.attention import nsa_attention
 from nsa_flex.bench.attention import attention_config
@@ -106,6 +112,19 @@ def compiled_step(over: dict[str, dict[str, int]], x: dict, do, cfg, grad: bool)
     return step, [out.detach().float()] + [g.float() for g in grads]
 
 
+def dense_step(x: dict, do, G: int, grad: bool):
+    """Dense causal cuDNN on the op's q, k, v (k, v repeated to the Hq heads), as compiled_step's steps."""
+    dense, tensors = dense_cudnn(x, G, requires_grad=grad)
+    do_bhtd = do.transpose(1, 2).contiguous()
+
+    def step():
+        out = dense()
+        grads = torch.autograd.grad(out, list(tensors.values()), do_bhtd) if grad else ()
+        return out, grads
+
+    return step
+
+
 def time_variants(steps: dict, reps: int, calls: int) -> dict[str, dict]:
     """Synced and back-to-back medians and peak MiB of each step, the variants in turn `reps` times."""
     synced = {n: [] for n in steps}
@@ -134,6 +153,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--commit", default="")
+    p.add_argument("--all-kernels", action="store_true", help="profile every kernel, not only the op's own")
+    p.add_argument("--dense", action="store_true", help="time dense cuDNN in the same rounds")
     args = p.parse_args()
     variants = dict(parse_variant(v) for v in args.variants)
     install_flex_tuning()  # the variants that compile nsa_flex itself need it before tracing
@@ -154,11 +175,14 @@ def main() -> None:
             for name, over in variants.items():
                 steps[name], results[name] = compiled_step(over, x, do, cfg, grad)
             first = next(iter(results.values()))
+            if args.dense:
+                steps["dense-cudnn"] = dense_step(x, do, cfg.n_heads // cfg.n_kv_heads, grad)
             timed = time_variants(steps, args.reps, args.calls)
             for name, step in steps.items():
-                diff = max((a - b).abs().max().item() for a, b in zip(results[name], first))
+                diff = (max((a - b).abs().max().item() for a, b in zip(results[name], first))
+                        if name in results else None)
                 add({"T": T, "mode": mode, "variant": name, **timed[name], "max_abs_diff_vs_first": diff,
-                     "kernel_ms": kernel_ms(step)})
+                     "kernel_ms": kernel_ms(step, prefix="" if args.all_kernels else "_")})
             del x, do, steps, results
 
 

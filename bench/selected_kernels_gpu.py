@@ -28,14 +28,15 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, {k: int(v) for k, v in (kv.split(":") for kv in keys.split(","))}
 
 
-def kernel_ms(fn, calls: int = 3) -> dict[str, float]:
-    """CUDA ms per call of each kernel whose name starts with "_" (the op's Triton kernels) and their sum."""
+def kernel_ms(fn, calls: int = 3, prefix: str = "_") -> dict[str, float]:
+    """CUDA ms per call of each kernel whose name starts with `prefix` ("_": the op's Triton and Gluon
+    kernels; "": every kernel, cuDNN's and Inductor's too) and their sum."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    ms = {e.key[:40]: e.self_device_time_total / calls / 1e3 for e in prof.key_averages() if e.key.startswith("_")}
+    ms = {e.key[:40]: e.self_device_time_total / calls / 1e3 for e in prof.key_averages() if e.key.startswith(prefix)}
     return {**ms, "sum": sum(ms.values())}
 
 
