@@ -36,7 +36,8 @@ def kernel_ms(fn, calls: int = 3, prefix: str = "_") -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    ms = {e.key[:40]: e.self_device_time_total / calls / 1e3 for e in prof.key_averages() if e.key.startswith(prefix)}
+    ms = {e.key[:40]: e.self_device_time_total / calls / 1e3 for e in prof.key_averages()
+          if e.key.startswith(prefix) and e.self_device_time_total > 0}
     return {**ms, "sum": sum(ms.values())}
 
 

@@ -117,15 +117,15 @@ from test_window_gluon import BUILDS, _dkdv_args
 got = {}
 for G, gated, sel, dtype, D in BUILDS:
     args, kwargs = _dkdv_args(G, gated, sel, getattr(torch, dtype), D=D)
-    got[repr((G, gated, sel, dtype, D))] = build_sm90(gluon_kernels._dkdv_gluon_kernel, args, kwargs)[1]
+    got[repr((G, gated, sel, dtype, D))] = build_sm90(gluon_kernels._window_dkdv_gluon_kernel, args, kwargs)[1]
 from test_window_gluon import FWD_BUILDS, _fwd_args
 for G, local, dtype, D in FWD_BUILDS:
     args, kwargs = _fwd_args(G, local, getattr(torch, dtype), D)
-    got[repr(("fwd", G, local, dtype, D))] = build_sm90(gluon_kernels._fwd_gluon_kernel, args, kwargs)[1]
+    got[repr(("fwd", G, local, dtype, D))] = build_sm90(gluon_kernels._window_fwd_gluon_kernel, args, kwargs)[1]
 from test_window_gluon import DQ_BUILDS, _dq_args
 for G, sel, dtype, D, add in DQ_BUILDS:
     args, kwargs = _dq_args(G, sel, getattr(torch, dtype), D=D, add=add)
-    got[repr(("dq", G, sel, dtype, D, add))] = build_sm90(gluon_kernels._dq_gluon_kernel, args, kwargs)[1]
+    got[repr(("dq", G, sel, dtype, D, add))] = build_sm90(gluon_kernels._window_dq_gluon_kernel, args, kwargs)[1]
 print(json.dumps(got))
 """
 
@@ -196,7 +196,7 @@ def test_dkdv_gluon_takes_the_triton_kernels_arguments():
     if not (gluon_kernels.HAS_GLUON and hasattr(kernels, "_dkdv_kernel")):
         pytest.skip("needs Triton with Gluon")
     names = lambda k: list(inspect.signature(k.fn).parameters)  # noqa: E731
-    assert names(gluon_kernels._dkdv_gluon_kernel) == names(kernels._dkdv_kernel)
+    assert names(gluon_kernels._window_dkdv_gluon_kernel) == names(kernels._dkdv_kernel)
 
 
 def test_dkdv_gluon_applies_only_where_written_for():

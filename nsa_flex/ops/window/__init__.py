@@ -118,7 +118,7 @@ def launch_config(Dk: int, Dv: int) -> dict[str, int]:
     fwd_gluon: where gluon_kernels.forward_applies, the forward in Gluon, warp-specialised with
     TMA loads (its own 64-row tiles and 64-key blocks; docs/decisions.md, "The window branch").
     dq_gluon: in the gated node's backward where gluon_kernels.applies, the dQ kernel in the
-    forward's form (gluon_kernels._dq_gluon_kernel): in the compiled op 0.97 against 1.09 ms at
+    forward's form (gluon_kernels._window_dq_gluon_kernel): in the compiled op 0.97 against 1.09 ms at
     T=64k, G=4 and 3.53 against 4.42 at G=16 (H100).
     """
     if max(Dk, Dv) <= 64:
@@ -159,7 +159,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, group: int, window: int, scale: flo
     if cfg.get("fwd_gluon") and gluon_kernels.forward_applies(q, v, group, local_block):
         # Inductor cannot launch a Gluon kernel: the opaque op does, making the TMA descriptors.
         BM, D = gluon_kernels.FWD_ROWS, Dk
-        launch(gluon_kernels._fwd_gluon_kernel, (-(-R // BM), B * Hkv),
+        launch(gluon_kernels._window_fwd_gluon_kernel, (-(-R // BM), B * Hkv),
                q, _kv_tiles(k), _kv_tiles(v), o, lse, o_loc, lse_loc, T, R, Hkv, window, scale * math.log2(math.e),
                *q_rows, writes=(o, lse, o_loc, lse_loc), opaque=True,
                G=group, BM=BM, BN=gluon_kernels.FWD_KEYS, D=D, NB=gluon_kernels.FWD_BUFFERS, LOCAL=local_block,
@@ -260,7 +260,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
         if gluon_dq:
             # The gated node's dQ in the Gluon forward's form (the opaque op makes the descriptors).
             BM = gluon_kernels.FWD_ROWS
-            launch(gluon_kernels._dq_gluon_kernel, (-(-RQ // BM), n_bh), _kv_tiles(k), _kv_tiles(v), q, do,
+            launch(gluon_kernels._window_dq_gluon_kernel, (-(-RQ // BM), n_bh), _kv_tiles(k), _kv_tiles(v), q, do,
                    dq, lse, delta, gate, *sel_args, x, RQ, T, R, Hkv, window, scale, scale2, bh0, *x_args[:3],
                    *q_rows, *do_rows, *sel_strides, *x_args[3:], writes=(dq,), opaque=True, G=group, BM=BM,
                    BN=gluon_kernels.FWD_KEYS, D=Dk, NB=gluon_kernels.FWD_BUFFERS, SEL=sel_block, ADD=add is not None,
@@ -277,7 +277,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
     if cfg.get("kv_gluon") and gluon_kernels.applies(q, v, group):
         # Inductor cannot launch a Gluon kernel: the opaque op does.
         BN, BM = gluon_kernels.DKDV_KEYS, cfg["kv_gluon_BM"]
-        launch(gluon_kernels._dkdv_gluon_kernel, (-(-T // BN), B * Hkv), *kv_args, writes=(dk, dv), opaque=True,
+        launch(gluon_kernels._window_dkdv_gluon_kernel, (-(-T // BN), B * Hkv), *kv_args, writes=(dk, dv), opaque=True,
                G=group, BM=BM, BN=BN, DK=Dk, DV=Dv, GATED=gated, SEL=sel_block, F32_DOT=False, num_warps=BM // 16)
     else:
         BN = cfg["kv_BN"]

@@ -1,6 +1,6 @@
 """The window op's forward and dK/dV kernels in Gluon, for Hopper at 16-bit Dk = Dv.
 
-_fwd_gluon_kernel does kernels._fwd_kernel's work (one program per 64-row tile, an online softmax
+_window_fwd_gluon_kernel does kernels._fwd_kernel's work (one program per 64-row tile, an online softmax
 over its band of keys; with LOCAL the partial over each row's two local selection blocks first)
 warp-specialised: one loader warp issues the TMA loads of each 64-key block's K and V into a ring
 of buffers, and a warpgroup stages the tile's query rows in shared memory (by pointer: q may be
@@ -9,13 +9,13 @@ softmax, so the loads never wait on the softmax. Its sums run in another order t
 P V dot accumulates into the rescaled output), so o and lse agree with it to rounding, not bit
 for bit.
 
-_dq_gluon_kernel is the gated node's dQ (kernels._dq_kernel with GATED) in the same form: the
+_window_dq_gluon_kernel is the gated node's dQ (kernels._dq_kernel with GATED) in the same form: the
 loader warp's ring of K / V blocks, and a warpgroup that stages its tile's q and dO rows in shared
 memory once, issues S = q K^T and dP = dO V^T together per block and adds dS K from registers.
 Without the local-slot term its dQ equals the Triton kernel's bit for bit; with it dS comes from
 differently fused fp32 arithmetic, as in the dK/dV kernel.
 
-_dkdv_gluon_kernel does kernels._dkdv_kernel's work (one program per key block, walking the row
+_window_dkdv_gluon_kernel does kernels._dkdv_kernel's work (one program per key block, walking the row
 tiles that see it; the gated and local-slot terms) in another schedule. The Triton kernel holds
 K, V, P and dS in registers with 4 warps and 64-row tiles (255 registers with spills at D = 128,
 two programs per SM). This one keeps its dots' operands in shared memory and walks BM-row tiles
@@ -217,7 +217,7 @@ if HAS_GLUON:
         _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, D)
 
     @gluon.jit
-    def _fwd_gluon_kernel(Q, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2, s_qb, s_qh, s_qt, s_qg,
+    def _window_fwd_gluon_kernel(Q, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2, s_qb, s_qh, s_qt, s_qg,
                           G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
                           LOCAL: gl.constexpr):
         """o [B, Hkv, R, D], lse [B, Hkv, R] (base 2) and with LOCAL (l') the local partial
@@ -328,7 +328,7 @@ if HAS_GLUON:
         gl.store(DQ + q_at, dq.to(DQ.dtype.element_ty), mask=(r < RQ)[:, None])
 
     @gluon.jit
-    def _dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale,
+    def _window_dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale,
                          scale2, BH0, XH, XG, XN, s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                          s_xb, s_xj, s_xs, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                          NB: gl.constexpr, SEL: gl.constexpr, ADD: gl.constexpr):
@@ -389,7 +389,7 @@ if HAS_GLUON:
         return lse2, delta, gw, lse_s2, delta_s, gs
 
     @gluon.jit
-    def _dkdv_gluon_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2,
+    def _window_dkdv_gluon_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2,
                            s_qb, s_qh, s_qt, s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
                            s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
                            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr,
