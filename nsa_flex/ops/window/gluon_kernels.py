@@ -217,9 +217,10 @@ if HAS_GLUON:
         _fwd_store(O, LSE, acc, m_i, l_i, bh, row0, R, BM, D)
 
     @gluon.jit
-    def _window_fwd_gluon_kernel(Q, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2, s_qb, s_qh, s_qt, s_qg,
-                          G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
-                          LOCAL: gl.constexpr):
+    def _window_fwd_gluon_kernel(
+            Q, k_desc, v_desc, O, LSE, O_LOC, LSE_LOC, T, R, Hkv, W, scale2, s_qb, s_qh, s_qt, s_qg,
+            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
+            LOCAL: gl.constexpr):
         """o [B, Hkv, R, D], lse [B, Hkv, R] (base 2) and with LOCAL (l') the local partial
         (O_LOC, LSE_LOC in o's and lse's layouts) of the BM-row tile program_id(0) of (b, kv head)
         program_id(1), as kernels._fwd_kernel gives them (no tile may cross a selection block:
@@ -328,10 +329,11 @@ if HAS_GLUON:
         gl.store(DQ + q_at, dq.to(DQ.dtype.element_ty), mask=(r < RQ)[:, None])
 
     @gluon.jit
-    def _window_dq_gluon_kernel(k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale,
-                         scale2, BH0, XH, XG, XN, s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                         s_xb, s_xj, s_xs, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                         NB: gl.constexpr, SEL: gl.constexpr, ADD: gl.constexpr):
+    def _window_dq_gluon_kernel(
+            k_desc, v_desc, Q, DO, DQ, LSE, DELTA, GW, LSES, DELTAS, GS, X, RQ, T, R, Hkv, W, scale, scale2, BH0,
+            XH, XG, XN, s_qb, s_qh, s_qt, s_qg, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt, s_xb, s_xj, s_xs,
+            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NB: gl.constexpr,
+            SEL: gl.constexpr, ADD: gl.constexpr):
         """dQ (q's layout: Q and DQ by (s_qb, s_qh, s_qt, s_qg), RQ rows a kv head, zero at rows
         R .. RQ - 1) of the BM-row tile program_id(0) of
         (b, kv head) BH0 + program_id(1), as kernels._dq_kernel gives it in the gated node's mode
@@ -389,11 +391,11 @@ if HAS_GLUON:
         return lse2, delta, gw, lse_s2, delta_s, gs
 
     @gluon.jit
-    def _window_dkdv_gluon_kernel(Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2,
-                           s_qb, s_qh, s_qt, s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or,
-                           s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
-                           G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr,
-                           GATED: gl.constexpr, SEL: gl.constexpr, F32_DOT: gl.constexpr):
+    def _window_dkdv_gluon_kernel(
+            Q, K, V, DO, LSE, DELTA, DK_, DV_, GW, LSES, DELTAS, GS, T, R, Hkv, W, scale, scale2, s_qb, s_qh, s_qt,
+            s_qg, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_oh, s_or, s_db, s_dh, s_dt, s_dg, s_lb, s_lh, s_lt,
+            G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr,
+            GATED: gl.constexpr, SEL: gl.constexpr, F32_DOT: gl.constexpr):
         """Arguments and results as kernels._dkdv_kernel's (BM rows a tile, 64 or 128, launched with
         BM / 16 warps; BN = 64 keys, DK = DV of 64 or 128; F32_DOT False): dK, dV of key block
         program_id(0)."""
